@@ -1,0 +1,29 @@
+// Conversions between dense matrices and the sparse formats (CPU, exact data movement).
+// Every round trip dense -> format -> dense is bit-exact.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "twell/host_tensors.h"
+
+namespace twell {
+
+// Packs a dense bf16 matrix [M, H] into TwELL: every element other than +0.0 and -0.0 is stored
+// (negative values too, so the packing is a general one). The spill grows as needed: the result is
+// complete. The tile and compression must be supported ones (twell_tile_supported, ...).
+TwellMatrix twell_from_dense(const bf16* dense, int64_t rows, int32_t cols, int32_t tile, int32_t compression);
+// Unpacks to dense bf16 [M, H]; refuses an incomplete packing.
+std::vector<bf16> dense_from_twell(const TwellMatrix& packed);
+// Checks every invariant of docs/formats.md (sizes, counts, column order, spill rows); throws on the first violation.
+void validate(const TwellMatrix& packed);
+
+HybridMatrix hybrid_from_dense(const bf16* dense, int64_t rows, int32_t cols, int32_t ell_width);
+HybridMatrix hybrid_from_twell(const TwellMatrix& packed, int32_t ell_width);
+std::vector<bf16> dense_from_hybrid(const HybridMatrix& hybrid);
+void validate(const HybridMatrix& hybrid);
+
+// Sign bits of A [R, K] (fp32 storage); refuses NaN.
+SignBits pack_sign_bits(const float* matrix, int32_t rows, int32_t cols);
+
+}  // namespace twell

@@ -1,0 +1,65 @@
+// Host-side owners of the FFN weights and of the three sparse formats.
+// The layouts are those of include/twell/formats/*.h; these structs only hold the arrays.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "twell/bf16.h"
+#include "twell/formats/hybrid.h"
+#include "twell/formats/sign_bits.h"
+#include "twell/formats/twell.h"
+
+namespace twell {
+
+// Canonical FFN weight layout: every matrix neuron-major [H, D], so neuron j's gate, up and down
+// rows are each D contiguous floats. down is Hugging Face's down_proj [D, H] transposed, once, at load.
+//   gated:      y = (relu(x·gate^T) ⊙ (x·up^T)) · down
+//   non-gated:  y = relu(x·up^T) · down            (gate is empty)
+struct FfnWeights {
+  int32_t d_model = 0;   // D
+  int32_t d_hidden = 0;  // H
+  bool gated = true;
+  std::vector<float> gate;  // [H, D] (empty when !gated)
+  std::vector<float> up;    // [H, D]
+  std::vector<float> down;  // [H, D]
+
+  // The projection whose relu is sparse and gets packed: gate when gated, up otherwise.
+  const std::vector<float>& relu_projection() const { return gated ? gate : up; }
+};
+
+// Validates sizes; throws twell::Error naming the first mismatch.
+void validate(const FfnWeights& weights);
+
+struct TwellMatrix {
+  TwellShape shape;
+  std::vector<TwellSlot> slots;    // [M, n_tiles, S]
+  std::vector<int32_t> tile_nnz;   // [M, n_tiles]
+  std::vector<bf16> spill;         // [spill capacity, T]
+  int32_t spill_used = 0;
+
+  int64_t spill_capacity() const { return shape.tile == 0 ? 0 : static_cast<int64_t>(spill.size()) / shape.tile; }
+  bool complete() const { return spill_used <= spill_capacity(); }
+};
+
+struct HybridMatrix {
+  HybridShape shape;
+  std::vector<bf16> ell_values;     // [M, W]
+  std::vector<int32_t> ell_cols;    // [M, W]
+  std::vector<int32_t> row_nnz;     // [M]
+  std::vector<int32_t> backup_slot; // [M]
+  std::vector<bf16> backup;         // [capacity, H]
+  std::vector<int32_t> backup_rows; // [capacity]
+  int32_t backup_used = 0;
+};
+
+struct SignBits {
+  int32_t rows = 0;  // R
+  int32_t cols = 0;  // K
+  std::vector<uint32_t> bits;  // [R, ceil(K/32)]
+  std::vector<float> scale;    // [R] mean |A[r, :]|
+
+  int32_t words_per_row() const { return sign_words_per_row(cols); }
+};
+
+}  // namespace twell

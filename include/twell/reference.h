@@ -1,0 +1,52 @@
+// Reference FFN ops: plain C++, float64 accumulation, obviously correct. They are the oracle every
+// backend is tested against; speed does not matter here.
+// Shapes: x [M, D], weights canonical [H, D] (host_tensors.h), y and dx [M, D], gate g [M, H].
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "twell/host_tensors.h"
+
+namespace twell::ref {
+
+// y = (relu(x·Wg^T) ⊙ (x·Wu^T))·Wd, or relu(x·Wu^T)·Wd when !weights.gated.  -> [M, D]
+std::vector<double> ffn_dense(const float* x, int64_t rows, const FfnWeights& weights);
+
+// relu(x·W^T) for the relu projection (gate, or up when non-gated), in float64.  -> [M, H]
+std::vector<double> relu_projection(const float* x, int64_t rows, const FfnWeights& weights);
+
+// The gate activations rounded to bf16 and packed: what every gate -> TwELL kernel must produce.
+// A value is stored iff its float64 gate is > 0 (so a positive value that rounds to 0 is kept).
+TwellMatrix gate_to_twell(const float* x, int64_t rows, const FfnWeights& weights, int32_t tile, int32_t compression);
+
+// y from the packed relu projection: gated -> up and down only at non-zero gates; non-gated -> down only.
+std::vector<double> ffn_from_twell(const float* x, const TwellMatrix& gate, const FfnWeights& weights);
+
+// Training FFN on the hybrid gate (gated weights only). h = g ⊙ (x·Wu^T) at g's non-zero pattern.
+struct HybridForward {
+  std::vector<double> y;  // [M, D]
+  std::vector<double> h;  // [M, H] dense copy of the sparse h, 0 off the pattern
+  double l1 = 0;          // coeff · Σ|h| / M
+  double l0 = 0;          // mean non-zeros per row of g
+};
+HybridForward hybrid_ffn_forward(const float* x, const HybridMatrix& gate, const FfnWeights& weights, double l1_coeff);
+
+// Gradients of  L = <dy, y> + coeff·Σ|h|/M  with respect to x and the three weight matrices,
+// through g = relu(x·Wg^T) (the pattern of `gate`) and u = x·Wu^T.
+struct FfnGrads {
+  std::vector<double> dx;      // [M, D]
+  std::vector<double> d_gate;  // [H, D]
+  std::vector<double> d_up;    // [H, D]
+  std::vector<double> d_down;  // [H, D]
+};
+FfnGrads hybrid_ffn_backward(const float* x, const HybridMatrix& gate, const FfnWeights& weights, const float* dy,
+                             double l1_coeff);
+
+// Sign-bit predictor. N_neg(m, j) = number of k < D with sign(x[m,k]) != sign(Wg[j,k]) (from the
+// packed bits, so -0.0 counts as positive).  -> [M, H]
+std::vector<int32_t> negative_sign_products(const SignBits& x_signs, const SignBits& gate_signs);
+// Neuron j of row m is predicted zero iff N_neg > alpha·(D - N_neg).  -> [M, H], 1 = predicted active
+std::vector<uint8_t> predict_active_sign_rule(const SignBits& x_signs, const SignBits& gate_signs, double alpha);
+
+}  // namespace twell::ref
