@@ -1,0 +1,160 @@
+// The one op-test harness (in the spirit of ggml's test-backend-ops): every op of every backend is
+// run over a sampled sweep of shapes, densities and format parameters, and compared with the
+// float64 reference (include/twell/reference.h).
+//
+// A backend plugs in from its own file (tests/backend_cpu.cpp, tests/backend_cuda.cpp, ...) with a
+// static registrar, without editing the harness:
+//
+//   namespace {
+//   const bool registered = twell::test::register_backend({
+//       .name = "cpu_avx2",
+//       .skip_reason = [] { return cpu_has_avx2() ? "" : "this CPU has no AVX2"; },
+//       .gate_to_twell = [](const float* x, int64_t rows, const twell::FfnWeights& w, int32_t tile,
+//                           int32_t compression, twell::TwellMatrix& out) { ... },
+//       .ffn_dense = ...,
+//   });
+//   }  // namespace
+//
+// An op left empty means "not supported": the harness instantiates no test for that pair.
+// A backend that is compiled in but cannot run here (CUDA without a GPU) says why in skip_reason;
+// its tests are skipped with that message.
+//
+// Every op takes and returns host memory; a device backend copies in and out inside its adapter.
+// Every op must return a complete result: a device producer that reports an overflowing spill or
+// backup (spill_used > capacity) is grown and run again by its adapter.
+//
+// Adding an op: (1) an `XxxOp` alias and a field in FfnBackend, (2) its cases and a TEST_P in a
+// tests/op_<area>.cpp using OpTest and backend_cases(&FfnBackend::xxx, cases), (3) fill the field
+// in each backend file that implements it. The decode predictor ops (sign bits) go this way.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "twell/host_tensors.h"
+#include "twell/workload.h"
+
+namespace twell::test {
+
+// ---- Ops: the signatures every backend implements (shapes as in include/twell/reference.h) ----
+
+// g = relu(x·W^T), W = weights.relu_projection(), packed into `out`. x [M, D].
+// `out` arrives poisoned (garbage arrays of the right size, or empty): every element must be written.
+using GateToTwellOp = std::function<void(const float* x, int64_t rows, const FfnWeights& weights, int32_t tile,
+                                         int32_t compression, TwellMatrix& out)>;
+// y [M, D] from the packed relu projection (gated: up and down at non-zeros; non-gated: down only).
+using FfnFromTwellOp =
+    std::function<void(const float* x, const TwellMatrix& gate, const FfnWeights& weights, float* y)>;
+// y [M, D], the dense FFN (the baseline every sparse op is timed against).
+using FfnDenseOp = std::function<void(const float* x, int64_t rows, const FfnWeights& weights, float* y)>;
+// TwELL -> hybrid with ELL width W; `out` arrives poisoned.
+using TwellToHybridOp = std::function<void(const TwellMatrix& gate, int32_t ell_width, HybridMatrix& out)>;
+// Training forward on the hybrid gate (gated weights): y [M, D], l1 = coeff·Σ|h|/M, l0 = mean nnz per row.
+using HybridForwardOp = std::function<void(const float* x, const HybridMatrix& gate, const FfnWeights& weights,
+                                           double l1_coeff, float* y, double& l1, double& l0)>;
+// Training backward: gradients of <dy, y> + coeff·Σ|h|/M. dy [M, D].
+struct GradOutputs {
+  float* dx;      // [M, D]
+  float* d_gate;  // [H, D]
+  float* d_up;    // [H, D]
+  float* d_down;  // [H, D]
+};
+using HybridBackwardOp = std::function<void(const float* x, const HybridMatrix& gate, const FfnWeights& weights,
+                                            const float* dy, double l1_coeff, const GradOutputs& grads)>;
+
+// What a backend rounds beyond fp32 accumulation. The harness replays a naive computation with the
+// same roundings; its error against float64 sets the tolerance (derived_tolerance below).
+struct BackendPrecision {
+  bool hidden_bf16 = false;  // h (= g ⊙ u, or g when non-gated) rounded to bf16 before the down projection
+  bool output_bf16 = false;  // y and gradients rounded to bf16 before they are returned
+};
+
+struct FfnBackend {
+  std::string name;                          // appears in test names: letters, digits, '_'
+  std::function<std::string()> skip_reason;  // "" when the backend can run here; empty = always runs
+  BackendPrecision precision;
+  GateToTwellOp gate_to_twell;
+  FfnFromTwellOp ffn_from_twell;
+  FfnDenseOp ffn_dense;
+  TwellToHybridOp twell_to_hybrid;
+  HybridForwardOp hybrid_forward;
+  HybridBackwardOp hybrid_backward;
+};
+
+// Returns true so that it can initialise a namespace-scope constant. Throws on a duplicate name.
+bool register_backend(FfnBackend backend);
+const std::vector<FfnBackend>& registered_backends();
+const FfnBackend& find_backend(const std::string& name);  // throws when unknown
+
+// ---- Cases ----
+
+// One test case: the workload plus the format parameters; each op reads the fields it needs.
+struct OpCase {
+  int64_t rows = 1;          // M
+  int32_t d_model = 64;      // D
+  int32_t d_hidden = 128;    // H
+  double density = 0.02;     // target fraction of active neurons of the relu projection
+  int32_t hot_neurons = 0;   // skew: neurons active for almost every token
+  bool gated = true;
+  int32_t tile = 128;        // T (TwELL)
+  int32_t compression = 4;   // C (TwELL)
+  int32_t ell_width = 16;    // W (hybrid)
+  double l1_coeff = 0.0;     // training ops
+  uint64_t seed = 1;
+
+  WorkloadSpec workload_spec() const;
+  std::string name() const;  // unique and gtest-safe, e.g. "M17_D640_H1000_d2p0_hot0_gated_T128_C4_W16_s3"
+};
+
+// The sampled sweeps: fixed corner cases plus a seeded sample of M in {1, 3, 17, 300}, H not a
+// multiple of the tile, D from 64 to 4096, densities 0 .. 100%, skew, T in {128, 256}, C in {2, 4, 8},
+// bounded in M·H·D so the float64 reference keeps the suite fast.
+std::vector<OpCase> twell_cases();   // gate_to_twell, ffn_from_twell (gated and non-gated)
+std::vector<OpCase> dense_cases();   // ffn_dense
+std::vector<OpCase> hybrid_cases();  // twell_to_hybrid, hybrid forward and backward (gated, l1 > 0)
+
+struct BackendCase {
+  std::string backend;
+  OpCase op_case;
+};
+// Every (backend, case) pair whose backend implements `op`.
+template <typename Op>
+std::vector<BackendCase> backend_cases(Op FfnBackend::*op, const std::vector<OpCase>& cases) {
+  std::vector<BackendCase> pairs;
+  for (const FfnBackend& backend : registered_backends())
+    if (backend.*op)
+      for (const OpCase& op_case : cases) pairs.push_back({backend.name, op_case});
+  return pairs;
+}
+std::string backend_case_name(const testing::TestParamInfo<BackendCase>& info);
+
+// Fixture: skips (with the backend's reason) when the backend cannot run here.
+class OpTest : public testing::TestWithParam<BackendCase> {
+ protected:
+  void SetUp() override;
+  const FfnBackend& backend() const { return find_backend(GetParam().backend); }
+  const OpCase& op_case() const { return GetParam().op_case; }
+};
+
+// ---- Checks (shared by every op test; each returns a failure that says what differs) ----
+
+// The kernel may be a few times less accurate than a naive loop in the same precision, never more.
+inline constexpr double kToleranceFactor = 4.0;
+inline double derived_tolerance(double naive_error, double floor) {
+  return naive_error * kToleranceFactor > floor ? naive_error * kToleranceFactor : floor;
+}
+
+// Poisoning: outputs are filled with garbage before each call, so an unwritten element shows.
+void poison(std::vector<float>& buffer, size_t count);          // quiet NaN
+void poison(TwellMatrix& out, const TwellShape& shape, int64_t spill_rows);  // garbage arrays of these sizes
+void poison(HybridMatrix& out, const HybridShape& shape, int64_t backup_rows);
+
+// ||got - ref|| / ||ref|| <= tolerance, every element finite (an unwritten NaN fails).
+testing::AssertionResult near_relative_l2(const std::string& what, const float* got, const double* ref,
+                                          size_t count, double tolerance);
+
+}  // namespace twell::test
