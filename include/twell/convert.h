@@ -1,5 +1,6 @@
 // Conversions between dense matrices and the sparse formats (CPU, exact data movement).
-// Every round trip dense -> format -> dense is bit-exact.
+// Every round trip dense -> format -> dense is bit-exact, except that -0.0 reads back as +0.0: the
+// formats store non-zeros only, and a zero is +0.0 wherever it is written (slots, spill, backup).
 #pragma once
 
 #include <cstdint>

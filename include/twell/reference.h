@@ -17,7 +17,8 @@ std::vector<double> ffn_dense(const float* x, int64_t rows, const FfnWeights& we
 std::vector<double> relu_projection(const float* x, int64_t rows, const FfnWeights& weights);
 
 // The gate activations rounded to bf16 and packed: what every gate -> TwELL kernel must produce.
-// A value is stored iff its float64 gate is > 0 (so a positive value that rounds to 0 is kept).
+// The float64 gate is rounded to bf16 once (round to nearest even, no detour through float);
+// a value is stored iff that bf16 is non-zero (iff the gate is > 0, short of underflow below 2^-133).
 TwellMatrix gate_to_twell(const float* x, int64_t rows, const FfnWeights& weights, int32_t tile, int32_t compression);
 
 // y from the packed relu projection: gated -> up and down only at non-zero gates; non-gated -> down only.
@@ -42,6 +43,11 @@ struct FfnGrads {
 };
 FfnGrads hybrid_ffn_backward(const float* x, const HybridMatrix& gate, const FfnWeights& weights, const float* dy,
                              double l1_coeff);
+
+// The same loss and gradients in float64 end to end, straight from x and the weights (g = relu(x·Wg^T)
+// never rounded to bf16): the function whose finite differences check the gradients.
+double ffn_train_loss(const float* x, int64_t rows, const FfnWeights& weights, const float* dy, double l1_coeff);
+FfnGrads ffn_train_grads(const float* x, int64_t rows, const FfnWeights& weights, const float* dy, double l1_coeff);
 
 // Sign-bit predictor. N_neg(m, j) = number of k < D with sign(x[m,k]) != sign(Wg[j,k]) (from the
 // packed bits, so -0.0 counts as positive).  -> [M, H]

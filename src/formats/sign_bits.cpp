@@ -1,0 +1,33 @@
+// Sign-bit packing (include/twell/formats/sign_bits.h).
+#include <cmath>
+
+#include "twell/convert.h"
+#include "twell/error.h"
+
+namespace twell {
+
+SignBits pack_sign_bits(const float* matrix, int32_t rows, int32_t cols) {
+  TWELL_REQUIRE(rows >= 1, "pack_sign_bits: rows (R) must be >= 1, got {}", rows);
+  TWELL_REQUIRE(cols >= 1, "pack_sign_bits: cols (K) must be >= 1, got {}", cols);
+  TWELL_REQUIRE(matrix != nullptr, "pack_sign_bits: matrix must not be null");
+  SignBits packed;
+  packed.rows = rows;
+  packed.cols = cols;
+  const int32_t words = packed.words_per_row();
+  packed.bits.assign(static_cast<size_t>(rows) * words, 0u);  // padding bits stay 0
+  packed.scale.assign(static_cast<size_t>(rows), 0.0f);
+  for (int32_t r = 0; r < rows; ++r) {
+    const float* row = matrix + static_cast<size_t>(r) * cols;  // [K]
+    uint32_t* row_bits = packed.bits.data() + static_cast<size_t>(r) * words;
+    double abs_sum = 0.0;
+    for (int32_t k = 0; k < cols; ++k) {
+      TWELL_REQUIRE(!std::isnan(row[k]), "pack_sign_bits: element [{}, {}] is NaN; a sign bit needs a number", r, k);
+      if (row[k] < 0.0f) row_bits[k / kSignBitsPerWord] |= 1u << (k % kSignBitsPerWord);  // -0.0 is not < 0
+      abs_sum += std::abs(static_cast<double>(row[k]));
+    }
+    packed.scale[r] = static_cast<float>(abs_sum / cols);
+  }
+  return packed;
+}
+
+}  // namespace twell
