@@ -54,5 +54,14 @@ FfnGrads ffn_train_grads(const float* x, int64_t rows, const FfnWeights& weights
 std::vector<int32_t> negative_sign_products(const SignBits& x_signs, const SignBits& gate_signs);
 // Neuron j of row m is predicted zero iff N_neg > alpha·(D - N_neg).  -> [M, H], 1 = predicted active
 std::vector<uint8_t> predict_active_sign_rule(const SignBits& x_signs, const SignBits& gate_signs, double alpha);
+// One-bit gate s(m, j) = scale_j · Σ_k x[m,k]·(bit set ? −1 : +1), float64 (include/twell/decode.h).  -> [M, H]
+std::vector<double> one_bit_gate(const float* x, int64_t rows, const SignBits& gate_signs);
+// Predicted active iff s(m, j) >= −margin.  -> [M, H], 1 = predicted active
+std::vector<uint8_t> predict_active_one_bit_gate(const float* x, int64_t rows, const SignBits& gate_signs,
+                                                 double margin);
+// The decode FFN: the FFN restricted to the predicted-active neurons of each row (a neuron predicted
+// zero contributes nothing, whatever its gate).  predicted_active [M, H] -> y [M, D]
+std::vector<double> decode_ffn(const float* x, int64_t rows, const FfnWeights& weights,
+                               const std::vector<uint8_t>& predicted_active);
 
 }  // namespace twell::ref

@@ -1,0 +1,109 @@
+// The decode path (M = 1..16 tokens per step): a predictor that reads only the sign bits of the
+// relu projection (gate when gated, up otherwise) decides, before any multiplication, which
+// neurons can be non-zero; the exact projection is computed only for those, and up + down only for
+// the truly active ones. Batched TwELL cannot help here: its gate GEMV reads all of Wg.
+//
+// Predictors (both read the packed sign bits of W = weights.relu_projection(), docs/formats.md):
+//   sign rule     N_neg(m, j) = popcount(sign(x[m]) XOR sign(W[j])) over D;
+//                 neuron j predicted zero iff N_neg > alpha·(D − N_neg).        (the seed's method)
+//   one-bit gate  s(m, j) = scale_j · Σ_k x[m,k]·sign(W[j,k]),  sign = −1 where the bit is set, else +1,
+//                 scale_j = mean |W[j, :]|; predicted active iff s(m, j) >= −margin.  (twell's default)
+//                 margin > 0 keeps neurons whose estimate is a little below zero. On a real ReLU model
+//                 the calibrated margin is positive; on the synthetic workload, whose gate threshold
+//                 sits in a single weight column that the estimate cannot see, it comes out negative.
+// Both are per-layer settings, chosen by calibrate_predictor for a target recall.
+//
+// The CUDA decode FFN is in twell/decode_cuda.h.
+//
+// Errors: a neuron predicted active whose exact gate is <= 0 costs one gate row (the result stays
+// exact); a neuron predicted zero whose exact gate is > 0 is dropped: the only lossy case.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "twell/host_tensors.h"
+
+namespace twell {
+
+inline constexpr int32_t kDecodeMaxRows = 16;  // tokens per decode step the fused kernels support
+
+enum class PredictorKind { sign_rule, one_bit_gate };
+std::string to_string(PredictorKind kind);
+PredictorKind parse_predictor_kind(const std::string& name);  // "sign" or "one-bit"; throws otherwise
+
+struct PredictorConfig {
+  PredictorKind kind = PredictorKind::one_bit_gate;
+  double alpha = 1.0;   // sign rule
+  double margin = 0.0;  // one-bit gate
+};
+
+// The sign rule as an integer threshold: neuron predicted active iff N_neg <= this
+// (-1 when alpha is so small that nothing is kept). Exactly the rule above, evaluated in double.
+int32_t sign_rule_max_negatives(double alpha, int32_t d_model);
+
+// Counters of one decode call, summed over its M tokens.
+struct DecodeStats {
+  int64_t predicted = 0;  // (token, neuron) pairs predicted active: exact gate computed
+  int64_t active = 0;     // of those, exact gate > 0: up + down computed
+  int64_t missed = -1;    // predicted zero but exact gate > 0; -1 unless DecodeOptions::count_missed
+};
+
+struct DecodeOptions {
+  // Also compute the exact gate of every neuron predicted zero, to count `missed` (diagnostics and
+  // calibration only: it reads all of W and throws the speed away; the output is unchanged).
+  bool count_missed = false;
+};
+
+// Quality of a predictor on sample inputs, against the exact float64 projection.
+struct PredictorQuality {
+  int64_t pairs = 0;      // M·H
+  int64_t active = 0;     // exact projection > 0
+  int64_t predicted = 0;  // predicted active
+  int64_t kept = 0;       // active and predicted active
+  double recall() const { return active == 0 ? 1.0 : static_cast<double>(kept) / active; }
+  double precision() const { return predicted == 0 ? 1.0 : static_cast<double>(kept) / predicted; }
+  double predicted_fraction() const { return pairs == 0 ? 0.0 : static_cast<double>(predicted) / pairs; }
+  double predicted_over_active() const { return active == 0 ? 0.0 : static_cast<double>(predicted) / active; }
+};
+
+// Picks alpha (sign rule) or margin (one-bit gate) so that at least `target_recall` of the truly
+// active (token, neuron) pairs of the samples x [M, D] are predicted active, with the smallest
+// predicted set the rule allows. Returns the config and its quality on the same samples.
+struct Calibration {
+  PredictorConfig config;
+  PredictorQuality quality;
+};
+Calibration calibrate_predictor(const float* x, int64_t rows, const FfnWeights& weights, const SignBits& signs,
+                                PredictorKind kind, double target_recall = 0.99);
+PredictorQuality measure_predictor(const float* x, int64_t rows, const FfnWeights& weights, const SignBits& signs,
+                                   const PredictorConfig& config);
+
+}  // namespace twell
+
+namespace twell::cpu {
+
+// The predictor's raw scores, for tests and calibration. x [M, D], signs packed from W [H, D].
+void negative_sign_products(const float* x, int64_t rows, const SignBits& signs, int32_t* counts);  // [M, H]
+void one_bit_gate(const float* x, int64_t rows, const SignBits& signs, float* scores);               // [M, H]
+
+// Buffers reused across calls (grown, never shrunk): after the first call of a shape, none allocate.
+struct DecodeScratch {
+  std::vector<float> x_padded;      // [M, 32·words] x with zeros past D
+  std::vector<uint32_t> x_signs;    // [M, words]
+  struct ActiveNeuron {
+    int32_t row;
+    int32_t neuron;
+    float coefficient;  // relu(g)·u (gated) or relu(u): the weight of neuron's down row
+  };
+  std::vector<std::vector<ActiveNeuron>> active;  // one list per thread
+};
+
+// y [M, D] = Σ over predicted-active neurons with exact gate > 0 of coefficient · down[j].
+// x [M, D], 1 <= M <= kDecodeMaxRows; signs = pack_sign_bits(weights.relu_projection()).
+DecodeStats decode_ffn(const float* x, int64_t rows, const FfnWeights& weights, const SignBits& signs,
+                       const PredictorConfig& predictor, float* y, DecodeScratch& scratch,
+                       const DecodeOptions& options = {});
+
+}  // namespace twell::cpu

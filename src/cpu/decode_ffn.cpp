@@ -1,0 +1,178 @@
+// The CPU decode FFN (include/twell/decode.h): predictor -> exact gate for predicted-active neurons
+// -> ReLU -> up and down for the truly active ones, fp32 with fp32 accumulation.
+//
+// Two phases in one OpenMP region:
+//   1. neurons split statically over the threads: each thread scores its neurons for every row,
+//      computes the exact projection for the predicted ones and appends the truly active ones
+//      (row, neuron, relu(g)·u) to its own list. Only predicted rows of W are read.
+//   2. after the barrier, columns of y split over the threads: each thread adds coefficient · down[j]
+//      over every list into its own columns. No atomics, and the sum order depends only on the
+//      thread count, so a call is deterministic.
+#include <omp.h>
+
+#include <algorithm>
+
+#include "decode_kernels.h"
+#include "kernels.h"
+#include "twell/decode.h"
+#include "twell/error.h"
+
+namespace twell::cpu {
+
+const DecodeKernelTable& active_decode_kernels() {
+  switch (active_isa()) {
+    case Isa::avx512:
+      return avx512_decode_kernels();
+    case Isa::avx2:
+      return avx2_decode_kernels();
+    case Isa::scalar:
+      break;
+  }
+  return scalar_decode_kernels();
+}
+
+namespace {
+
+void require_signs_match(const SignBits& signs, int32_t hidden, int32_t cols) {
+  TWELL_REQUIRE(signs.rows == hidden && signs.cols == cols,
+                "signs must be packed from the relu projection [H={}, D={}], got [{}, {}]", hidden, cols, signs.rows,
+                signs.cols);
+  TWELL_REQUIRE(signs.bits.size() == static_cast<size_t>(hidden) * signs.words_per_row(),
+                "signs.bits must hold H·ceil(D/32) = {} words, got {}", static_cast<size_t>(hidden) * signs.words_per_row(),
+                signs.bits.size());
+  TWELL_REQUIRE(signs.scale.size() == static_cast<size_t>(hidden), "signs.scale must hold H = {} values, got {}",
+                hidden, signs.scale.size());
+}
+
+// x [M, D] -> x_padded [M, 32·words] (zeros past D) and, when asked, its sign bits [M, words]
+// in the sign-bits format (bit set iff x < 0, so -0.0 packs as 0).
+void prepare_rows(const float* x, int64_t rows, int32_t cols, int32_t words, bool pack_signs, DecodeScratch& scratch) {
+  const int32_t padded = words * kSignBitsPerWord;
+  scratch.x_padded.assign(static_cast<size_t>(rows) * padded, 0.0f);
+  for (int64_t m = 0; m < rows; ++m) std::copy_n(x + m * cols, cols, scratch.x_padded.begin() + m * padded);
+  if (!pack_signs) return;
+  scratch.x_signs.assign(static_cast<size_t>(rows) * words, 0u);
+  for (int64_t m = 0; m < rows; ++m)
+    for (int32_t k = 0; k < cols; ++k)
+      if (x[m * cols + k] < 0.0f) scratch.x_signs[m * words + k / kSignBitsPerWord] |= 1u << (k % kSignBitsPerWord);
+}
+
+// Scores every neuron of one row (the shared loops of the score functions and the decode FFN).
+class RowPredictor {
+ public:
+  RowPredictor(const SignBits& signs, const DecodeScratch& scratch, int64_t row)
+      : signs_(signs), words_(signs.words_per_row()), kernels_(active_decode_kernels()) {
+    x_padded_ = scratch.x_padded.data() + row * words_ * kSignBitsPerWord;
+    if (!scratch.x_signs.empty()) x_signs_ = scratch.x_signs.data() + row * words_;
+    for (int32_t k = 0; k < words_ * kSignBitsPerWord; ++k) row_sum_ += x_padded_[k];
+  }
+  int32_t negative_count(int32_t neuron) const {
+    return kernels_.negative_count(x_signs_, neuron_bits(neuron), words_);
+  }
+  // s = scale·(Σx − 2·Σ_{bit set} x) = scale·Σ x·sign(W).
+  float one_bit_gate(int32_t neuron) const {
+    return signs_.scale[neuron] * (row_sum_ - 2.0f * kernels_.negative_sum(x_padded_, neuron_bits(neuron), words_));
+  }
+
+ private:
+  const uint32_t* neuron_bits(int32_t neuron) const { return signs_.bits.data() + static_cast<size_t>(neuron) * words_; }
+  const SignBits& signs_;
+  int32_t words_;
+  const DecodeKernelTable& kernels_;
+  const float* x_padded_ = nullptr;
+  const uint32_t* x_signs_ = nullptr;
+  float row_sum_ = 0.0f;
+};
+
+}  // namespace
+
+void negative_sign_products(const float* x, int64_t rows, const SignBits& signs, int32_t* counts) {
+  TWELL_REQUIRE(rows >= 1, "rows (M) must be >= 1, got {}", rows);
+  require_signs_match(signs, signs.rows, signs.cols);
+  DecodeScratch scratch;
+  prepare_rows(x, rows, signs.cols, signs.words_per_row(), true, scratch);
+  for (int64_t m = 0; m < rows; ++m) {
+    RowPredictor predictor(signs, scratch, m);
+#pragma omp parallel for num_threads(num_threads()) schedule(static)
+    for (int32_t j = 0; j < signs.rows; ++j) counts[m * signs.rows + j] = predictor.negative_count(j);
+  }
+}
+
+void one_bit_gate(const float* x, int64_t rows, const SignBits& signs, float* scores) {
+  TWELL_REQUIRE(rows >= 1, "rows (M) must be >= 1, got {}", rows);
+  require_signs_match(signs, signs.rows, signs.cols);
+  DecodeScratch scratch;
+  prepare_rows(x, rows, signs.cols, signs.words_per_row(), false, scratch);
+  for (int64_t m = 0; m < rows; ++m) {
+    RowPredictor predictor(signs, scratch, m);
+#pragma omp parallel for num_threads(num_threads()) schedule(static)
+    for (int32_t j = 0; j < signs.rows; ++j) scores[m * signs.rows + j] = predictor.one_bit_gate(j);
+  }
+}
+
+DecodeStats decode_ffn(const float* x, int64_t rows, const FfnWeights& weights, const SignBits& signs,
+                       const PredictorConfig& predictor, float* y, DecodeScratch& scratch,
+                       const DecodeOptions& options) {
+  validate(weights);
+  const int32_t cols = weights.d_model, hidden = weights.d_hidden;
+  TWELL_REQUIRE(rows >= 1 && rows <= kDecodeMaxRows, "rows (M) must lie in [1, {}], got {}", kDecodeMaxRows, rows);
+  require_signs_match(signs, hidden, cols);
+  const bool sign_rule = predictor.kind == PredictorKind::sign_rule;
+  const int32_t max_negatives = sign_rule ? sign_rule_max_negatives(predictor.alpha, cols) : 0;
+  const float min_score = static_cast<float>(-predictor.margin);
+  prepare_rows(x, rows, cols, signs.words_per_row(), sign_rule, scratch);
+
+  const KernelTable& kernels = active_kernels();
+  const float* projection = weights.relu_projection().data();  // [H, D]
+  const int threads = num_threads();
+  scratch.active.resize(threads);
+  int64_t predicted = 0, active = 0, missed = 0;
+
+#pragma omp parallel num_threads(threads) reduction(+ : predicted, active, missed)
+  {
+    std::vector<DecodeScratch::ActiveNeuron>& found = scratch.active[omp_get_thread_num()];
+    found.clear();
+    // A predictor per row, built once per thread (each holds only pointers and the row sum).
+    std::vector<RowPredictor> row_predictors;
+    row_predictors.reserve(rows);
+    for (int64_t m = 0; m < rows; ++m) row_predictors.emplace_back(signs, scratch, m);
+
+#pragma omp for schedule(static)
+    for (int32_t j = 0; j < hidden; ++j) {
+      const float* projection_row = projection + static_cast<size_t>(j) * cols;  // [D]
+      for (int64_t m = 0; m < rows; ++m) {
+        const RowPredictor& row = row_predictors[m];
+        const bool predicted_active = sign_rule ? row.negative_count(j) <= max_negatives : row.one_bit_gate(j) >= min_score;
+        if (!predicted_active && !options.count_missed) continue;
+        const float* x_row = x + m * cols;  // [D]
+        const float activation = kernels.dot(x_row, projection_row, cols);
+        if (!predicted_active) {
+          missed += activation > 0.0f;
+          continue;
+        }
+        ++predicted;
+        if (!(activation > 0.0f)) continue;
+        ++active;
+        const float coefficient =
+            weights.gated ? activation * kernels.dot(x_row, weights.up.data() + static_cast<size_t>(j) * cols, cols)
+                          : activation;
+        found.push_back({static_cast<int32_t>(m), j, coefficient});
+      }
+    }  // implicit barrier: every list is complete
+
+    // Columns in 16-float blocks, so every thread's range starts on a 64-byte boundary of a row.
+    const int32_t block = std::max<int32_t>(16, (cols / omp_get_num_threads() + 15) / 16 * 16);
+    const int32_t begin = std::min(cols, block * omp_get_thread_num());
+    const int32_t end = omp_get_thread_num() == omp_get_num_threads() - 1 ? cols : std::min(cols, begin + block);
+    if (begin < end) {
+      for (int64_t m = 0; m < rows; ++m) std::fill(y + m * cols + begin, y + m * cols + end, 0.0f);
+      for (const auto& list : scratch.active)
+        for (const DecodeScratch::ActiveNeuron& neuron : list)
+          kernels.axpy(neuron.coefficient, weights.down.data() + static_cast<size_t>(neuron.neuron) * cols + begin,
+                       y + static_cast<int64_t>(neuron.row) * cols + begin, end - begin);
+    }
+  }
+  return DecodeStats{predicted, active, options.count_missed ? missed : -1};
+}
+
+}  // namespace twell::cpu
