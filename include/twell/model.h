@@ -1,0 +1,173 @@
+// The model runtime (CPU): a Hugging Face checkpoint directory -> config, fp32 weights, a forward
+// pass with a KV cache, and sampling. One file per stage in src/model/: config.cpp, weights.cpp,
+// forward.cpp, sampler.cpp. Decoder-only Llama-family transformers:
+//   h = embed[token]
+//   per layer:  h += o_proj(attention(rope(q_proj(rms(h))), rope(k_proj(rms(h))), v_proj(rms(h))))
+//               h += ffn(rms(h))        ffn(x) = (act(x·Wg^T) ⊙ x·Wu^T)·Wd
+//   logits = lm_head(rms(h))
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "twell/decode.h"
+#include "twell/host_tensors.h"
+
+namespace twell {
+
+class Checkpoint;
+
+// ---------------------------------------------------------------------------------------------
+// Config
+
+// The FFN's gate activation. relu and fatrelu give activation sparsity; fatrelu(x) = x if x > t else 0.
+enum class FfnActivation { silu, relu, fatrelu };
+std::string to_string(FfnActivation activation);
+
+struct ModelConfig {
+  std::string model_type;  // "llama", "qwen2" or "llama_sparse_relu"
+  int32_t vocab_size = 0;  // V
+  int32_t d_model = 0;     // D (hidden_size)
+  int32_t d_hidden = 0;    // H (intermediate_size)
+  int32_t n_layers = 0;
+  int32_t n_heads = 0;
+  int32_t n_kv_heads = 0;  // grouped-query attention: n_heads / n_kv_heads query heads share a KV head
+  int32_t head_dim = 0;    // Dh
+  int32_t max_positions = 0;
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 10000.0;
+  bool tie_word_embeddings = false;
+  bool qkv_bias = false;  // Qwen2
+  FfnActivation activation = FfnActivation::silu;
+  float activation_threshold = 0.0f;  // fatrelu only
+  int32_t bos_token_id = -1;
+  std::vector<int32_t> eos_token_ids;
+
+  bool relu_sparse() const { return activation != FfnActivation::silu; }
+};
+
+// Reads config.json as written by transformers 4.x and 5.x (rope_theta at the top level, in
+// rope_scaling or in rope_parameters; head_dim present or derived). Refuses anything it cannot run
+// with a twell::Error naming the key.
+ModelConfig parse_model_config(const nlohmann::json& config);
+ModelConfig load_model_config(const std::string& config_path);
+
+// ---------------------------------------------------------------------------------------------
+// Weights, all fp32 (bf16/fp16 checkpoints are widened once at load)
+
+struct LayerWeights {
+  std::vector<float> attn_norm;  // [D]
+  std::vector<float> wq;         // [n_heads·Dh, D]
+  std::vector<float> wk;         // [n_kv_heads·Dh, D]
+  std::vector<float> wv;         // [n_kv_heads·Dh, D]
+  std::vector<float> bq, bk, bv;  // [n_heads·Dh], [n_kv_heads·Dh] ×2; empty without qkv_bias
+  std::vector<float> wo;         // [D, n_heads·Dh]
+  std::vector<float> ffn_norm;   // [D]
+  FfnWeights ffn;                // canonical neuron-major [H, D] (down_proj transposed at load)
+};
+
+struct ModelWeights {
+  std::vector<float> embedding;   // [V, D]
+  std::vector<LayerWeights> layers;
+  std::vector<float> final_norm;  // [D]
+  std::vector<float> lm_head;     // [V, D]; empty when tied (the embedding is used)
+
+  const std::vector<float>& output_matrix() const { return lm_head.empty() ? embedding : lm_head; }
+};
+
+// Every tensor's shape is checked against the config; a missing or misshapen tensor throws naming it.
+ModelWeights load_model_weights(const Checkpoint& checkpoint, const ModelConfig& config);
+
+// ---------------------------------------------------------------------------------------------
+// Forward
+
+// How the FFN is computed. dense: three OpenBLAS sgemm calls, any activation. twell: relu gate
+// packed to TwELL (cpu::gate_to_twell + cpu::ffn_from_twell); needs a relu FFN. predict: the sign-bit
+// predictor (cpu::decode_ffn) for steps of at most kDecodeMaxRows tokens, TwELL for longer ones.
+enum class FfnPath { dense, twell, predict };
+FfnPath parse_ffn_path(const std::string& name);  // "dense", "twell" or "predict"
+std::string to_string(FfnPath path);
+
+struct KvCache {
+  int32_t capacity = 0;  // positions
+  int32_t length = 0;    // positions filled
+  std::vector<std::vector<float>> keys;    // per layer [capacity, n_kv_heads, Dh], after RoPE
+  std::vector<std::vector<float>> values;  // per layer [capacity, n_kv_heads, Dh]
+};
+
+// Called once per layer and forward call with the FFN's activations act(x·Wg^T) [rows, H], when
+// the dense path computes them (stats). layer, activations, rows.
+using ActivationObserver = std::function<void(int32_t, const float*, int64_t)>;
+
+class Model {
+ public:
+  // Loads config.json and the safetensors weights of a checkpoint directory.
+  static Model load(const std::string& dir);
+  Model(ModelConfig config, ModelWeights weights);
+  ~Model();
+  Model(Model&&) noexcept;
+  Model& operator=(Model&&) noexcept;
+
+  const ModelConfig& config() const { return config_; }
+  const ModelWeights& weights() const { return weights_; }
+
+  // Refuses a path the model cannot take (twell/predict on a non-relu FFN) with the reason.
+  void set_ffn_path(FfnPath path);
+  FfnPath ffn_path() const { return ffn_path_; }
+  // Per-layer predictor settings for FfnPath::predict; calibrate_predictor() fills them from sample text.
+  void set_predictor(std::vector<PredictorConfig> per_layer);
+  // Runs `tokens` through the dense path, collecting each layer's FFN input, and picks each layer's
+  // predictor for `target_recall` (twell::calibrate_predictor).
+  std::vector<Calibration> calibrate_predictor(const std::vector<int32_t>& tokens, PredictorKind kind,
+                                               double target_recall);
+  void set_activation_observer(ActivationObserver observer) { observer_ = std::move(observer); }
+
+  KvCache new_cache(int32_t capacity) const;
+  // Runs tokens [n] at positions cache.length ..; appends their keys and values to the cache.
+  // logits: [n, V] when all_logits, else [V] for the last token only.
+  void forward(const int32_t* tokens, int32_t n, KvCache& cache, float* logits, bool all_logits = false);
+
+ private:
+  struct Workspace;
+  void ffn(int32_t layer, const float* x, int32_t rows, float* y);
+
+  ModelConfig config_;
+  ModelWeights weights_;
+  FfnPath ffn_path_ = FfnPath::dense;
+  std::vector<SignBits> relu_signs_;  // per layer, built when the predict path is chosen
+  std::vector<PredictorConfig> predictors_;
+  ActivationObserver observer_;
+  std::vector<std::vector<float>>* capture_ffn_inputs_ = nullptr;  // per layer [rows, D], while calibrating
+  std::unique_ptr<Workspace> workspace_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Sampling
+
+struct SamplerConfig {
+  float temperature = 0.0f;  // 0: greedy (argmax, lowest id on ties)
+  int32_t top_k = 0;         // 0: off
+  float top_p = 1.0f;        // 1: off
+  uint64_t seed = 0;
+};
+
+class Sampler {
+ public:
+  explicit Sampler(SamplerConfig config);
+  // Picks a token from logits [V]: softmax(logits / temperature), restricted to the top_k largest,
+  // then to the smallest set of those whose probability reaches top_p.
+  int32_t sample(const float* logits, int32_t vocab_size);
+
+ private:
+  SamplerConfig config_;
+  std::mt19937_64 rng_;
+  std::vector<std::pair<float, int32_t>> candidates_;
+};
+
+}  // namespace twell
