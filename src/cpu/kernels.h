@@ -1,0 +1,37 @@
+// The ISA-specific inner loops of the CPU backend, as one table of function pointers per ISA.
+// The drivers (gate_to_twell.cpp, ffn_from_twell.cpp) hold the blocking, threading and format
+// logic once; only these loops differ between scalar, AVX2 and AVX-512.
+#pragma once
+
+#include <cstdint>
+
+#include "twell/cpu.h"
+
+namespace twell::cpu {
+
+struct KernelTable {
+  // out[r * out_stride + n] = x[r, :]·w[n, :]  for r < rows, n < neurons.
+  // x [rows, d] (row stride d), w [neurons, d], out [rows, out_stride].
+  void (*dot_block)(const float* x, int64_t rows, const float* w, int32_t neurons, int32_t d, float* out,
+                    int64_t out_stride);
+  // a[0:n]·b[0:n]
+  float (*dot)(const float* a, const float* b, int32_t n);
+  // y[0:n] += alpha·w[0:n]
+  void (*axpy)(float alpha, const float* w, float* y, int32_t n);
+  // Writes the indices i < n with values[i] > 0 to positive[] in ascending order and returns how
+  // many; sets *has_nan when a value is NaN. positive [n].
+  int32_t (*find_positive)(const float* values, int32_t n, int32_t* positive, bool* has_nan);
+};
+
+// Each defined in kernels_<isa>.cpp, compiled with that ISA's flags. Call only on a CPU that has it.
+const KernelTable& scalar_kernels();
+const KernelTable& avx2_kernels();
+const KernelTable& avx512_kernels();
+
+// The table of active_isa().
+const KernelTable& active_kernels();
+
+// OpenBLAS threads outside our own parallel regions (inside them every sgemm must run on its caller).
+void set_blas_threads(int threads);
+
+}  // namespace twell::cpu

@@ -1,0 +1,286 @@
+// `twell bench ffn`: driver (workload, rotation, statistics, reference error, table, JSON) and the
+// CPU implementations. See bench_ffn.h for how a device plugs in.
+#include "bench_ffn.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include <fmt/format.h>
+
+#include "commands.h"
+#include "timing.h"
+#include "twell/bench_record.h"
+#include "twell/cpu.h"
+#include "twell/error.h"
+#include "twell/reference.h"
+
+namespace twell::cli {
+namespace {
+
+// ---- CPU implementations ----
+
+// The baseline: three OpenBLAS products (two when non-gated) on every core.
+class CpuDense final : public FfnBenchImpl {
+ public:
+  std::string name() const override { return "dense"; }
+  void prepare(const Workload& work, const std::vector<std::vector<float>>& inputs) override {
+    work_ = &work;
+    inputs_ = &inputs;
+    y_.assign(work.x.size(), 0.0f);
+  }
+  double run_ms(int input) override {
+    const float* x = (*inputs_)[input].data();
+    return wall_ms([&] { cpu::ffn_dense(x, work_->spec.rows, work_->weights, y_.data(), scratch_); });
+  }
+  std::vector<float> output() override { return y_; }
+  int64_t peak_bytes() const override {
+    return static_cast<int64_t>((scratch_.gate.capacity() + scratch_.up.capacity()) * sizeof(float));
+  }
+
+ private:
+  const Workload* work_ = nullptr;
+  const std::vector<std::vector<float>>* inputs_ = nullptr;
+  std::vector<float> y_;  // [M, D]
+  cpu::DenseScratch scratch_;
+};
+
+// gate GEMM + relu + TwELL packing, then up and down only at the non-zero gates.
+class CpuTwell final : public FfnBenchImpl {
+ public:
+  CpuTwell(int32_t tile, int32_t compression) : tile_(tile), compression_(compression) {}
+  std::string name() const override { return "twell"; }
+  void prepare(const Workload& work, const std::vector<std::vector<float>>& inputs) override {
+    work_ = &work;
+    inputs_ = &inputs;
+    y_.assign(work.x.size(), 0.0f);
+  }
+  double run_ms(int input) override {
+    const float* x = (*inputs_)[input].data();
+    return wall_ms([&] {
+      cpu::gate_to_twell(x, work_->spec.rows, work_->weights, tile_, compression_, gate_);
+      cpu::ffn_from_twell(x, gate_, work_->weights, y_.data());
+    });
+  }
+  std::vector<float> output() override { return y_; }
+  int64_t peak_bytes() const override {
+    return static_cast<int64_t>(gate_.slots.capacity() * sizeof(TwellSlot) +
+                                gate_.tile_nnz.capacity() * sizeof(int32_t) + gate_.spill.capacity() * sizeof(bf16));
+  }
+
+ private:
+  int32_t tile_, compression_;
+  const Workload* work_ = nullptr;
+  const std::vector<std::vector<float>>* inputs_ = nullptr;
+  std::vector<float> y_;  // [M, D]
+  TwellMatrix gate_;      // reused across calls, as an inference loop would
+};
+
+cpu::Isa parse_isa(const std::string& name) {
+  for (cpu::Isa isa : {cpu::Isa::scalar, cpu::Isa::avx2, cpu::Isa::avx512})
+    if (cpu::to_string(isa) == name) return isa;
+  fail("--isa must be scalar, avx2 or avx512, got '{}'", name);
+}
+
+// ---- Driver ----
+
+// What the workload itself says, from the float64 reference on input set 0.
+struct WorkloadFacts {
+  std::vector<double> y_ref;    // [M, D]
+  double nnz_per_row = 0;       // mean non-zeros per row of the relu projection
+  int64_t active_neurons = 0;   // neurons non-zero in at least one row (the up/down rows a sparse FFN must read)
+};
+
+WorkloadFacts reference_facts(const Workload& work) {
+  const int64_t rows = work.spec.rows;
+  const int32_t h = work.spec.d_hidden;
+  const std::vector<double> g = ref::relu_projection(work.x.data(), rows, work.weights);  // [M, H]
+  WorkloadFacts facts;
+  int64_t nnz = 0;
+  std::vector<bool> active(h, false);
+  for (int64_t m = 0; m < rows; ++m)
+    for (int32_t j = 0; j < h; ++j)
+      if (g[m * h + j] > 0) {
+        ++nnz;
+        active[j] = true;
+      }
+  facts.nnz_per_row = static_cast<double>(nnz) / static_cast<double>(rows);
+  facts.active_neurons = std::count(active.begin(), active.end(), true);
+  facts.y_ref = ref::ffn_dense(work.x.data(), rows, work.weights);
+  return facts;
+}
+
+// Bytes of weights an implementation has to read at least, and the flops it has to do at least.
+struct NapkinMath {
+  double weight_bytes;
+  double flops;
+};
+
+NapkinMath napkin_math(bool sparse, const Workload& work, const WorkloadFacts& facts) {
+  const double d = work.spec.d_model, h = work.spec.d_hidden, rows = static_cast<double>(work.spec.rows);
+  const double matrices = work.spec.gated ? 3 : 2;
+  if (!sparse) return {matrices * h * d * sizeof(float), 2 * matrices * rows * h * d};
+  const double sparse_matrices = matrices - 1;  // up and down (down only when non-gated)
+  return {(h + sparse_matrices * static_cast<double>(facts.active_neurons)) * d * sizeof(float),
+          2 * rows * h * d + 2 * sparse_matrices * facts.nnz_per_row * rows * d};
+}
+
+void validate_options(const FfnBenchOptions& options) {
+  TWELL_REQUIRE(options.device == "cpu" || options.device == "cuda", "--device must be cpu or cuda, got '{}'",
+                options.device);
+  TWELL_REQUIRE(!options.rows.empty(), "--m needs at least one value");
+  for (int64_t rows : options.rows) TWELL_REQUIRE(rows >= 1, "--m values must be >= 1, got {}", rows);
+  TWELL_REQUIRE(!options.densities.empty(), "--density needs at least one value");
+  for (double density : options.densities)
+    TWELL_REQUIRE(density >= 0 && density <= 1, "--density values must lie in [0, 1], got {}", density);
+  TWELL_REQUIRE(options.d_model >= 2, "--d must be >= 2, got {}", options.d_model);
+  TWELL_REQUIRE(options.d_hidden >= 1, "--h must be >= 1, got {}", options.d_hidden);
+  TWELL_REQUIRE(twell_tile_supported(options.tile), "--tile must be 128 or 256, got {}", options.tile);
+  TWELL_REQUIRE(twell_compression_supported(options.compression), "--compression must be 2, 4 or 8, got {}",
+                options.compression);
+  TWELL_REQUIRE(options.threads >= 0, "--threads must be >= 0 (0 = all cores), got {}", options.threads);
+  TWELL_REQUIRE(options.input_sets >= 1, "--inputs must be >= 1, got {}", options.input_sets);
+  TWELL_REQUIRE(options.warmup >= 0, "--warmup must be >= 0, got {}", options.warmup);
+  TWELL_REQUIRE(options.reps >= 1, "--reps must be >= 1, got {}", options.reps);
+}
+
+FfnBenchDevice make_device(const FfnBenchOptions& options) {
+  if (options.device == "cpu") return make_cpu_ffn_bench(options);
+#if defined(TWELL_HAVE_CUDA)
+  return make_cuda_ffn_bench(options);
+#else
+  fail("--device cuda: this twell was built without CUDA (configure with nvcc present and TWELL_ENABLE_CUDA=ON)");
+#endif
+}
+
+void run_ffn_bench(const FfnBenchOptions& options) {
+  validate_options(options);
+  FfnBenchDevice device = make_device(options);
+  TWELL_REQUIRE(!device.impls.empty() && device.impls[0]->name() == "dense",
+                "the {} benchmark must list the dense baseline first", options.device);
+  const std::string commit = build_commit();
+  const std::string date = today_utc();
+  fmt::print("twell bench ffn: {} ({}), D={} H={} {}, TwELL T={} C={}, {} input sets, {} warm-up + {} timed reps\n",
+             options.device, device.model, options.d_model, options.d_hidden, options.gated ? "gated" : "non-gated",
+             options.tile, options.compression, options.input_sets, options.warmup, options.reps);
+  fmt::print("{:>6} {:>8} {:>9} {:>8} {:>10} {:>10} {:>10} {:>9} {:>9} {:>10} {:>8}\n", "M", "density", "nnz/row",
+             "impl", "median ms", "p10 ms", "p90 ms", "GB/s", "GFLOP/s", "rel_err", "speedup");
+
+  std::vector<BenchRecord> records;
+  for (int64_t rows : options.rows)
+    for (double density : options.densities) {
+      WorkloadSpec spec;
+      spec.rows = rows;
+      spec.d_model = options.d_model;
+      spec.d_hidden = options.d_hidden;
+      spec.density = density;
+      spec.gated = options.gated;
+      spec.seed = options.seed;
+      const Workload work = make_workload(spec);
+      // Input 0 is the workload's own x (the one the reference checks); the others rotate with it.
+      std::vector<std::vector<float>> inputs = {work.x};
+      for (int i = 1; i < options.input_sets; ++i)
+        inputs.push_back(make_activations(rows, options.d_model, options.seed + 1000 * static_cast<uint64_t>(i)));
+      const WorkloadFacts facts = reference_facts(work);
+
+      double dense_median_ms = 0;
+      for (const auto& impl : device.impls) {
+        impl->prepare(work, inputs);
+        for (int i = 0; i < options.warmup; ++i) impl->run_ms(i % options.input_sets);
+        std::vector<double> samples;
+        for (int i = 0; i < options.reps; ++i) samples.push_back(impl->run_ms(i % options.input_sets));
+        impl->run_ms(0);
+        const std::vector<float> y = impl->output();
+        TWELL_REQUIRE(y.size() == facts.y_ref.size(), "impl {} returned {} outputs, expected M*D = {}", impl->name(),
+                      y.size(), facts.y_ref.size());
+
+        BenchRecord record;
+        record.bench = "ffn";
+        record.device = options.device;
+        record.gpu_name = device.model;
+        record.impl = impl->name();
+        record.M = rows;
+        record.D = options.d_model;
+        record.H = options.d_hidden;
+        record.target_density = density;
+        record.nnz_per_row = facts.nnz_per_row;
+        record.timing = summarize_ms(samples);
+        record.rel_err = relative_l2_error(y.data(), facts.y_ref.data(), y.size());
+        record.peak_bytes = impl->peak_bytes();
+        record.commit = commit;
+        record.date = date;
+        const bool is_dense = impl->name() == "dense";
+        if (is_dense) dense_median_ms = record.timing.median_ms;
+        const NapkinMath napkin = napkin_math(!is_dense, work, facts);
+        const double seconds = record.timing.median_ms * 1e-3;
+        const double speedup = dense_median_ms / record.timing.median_ms;
+        record.extra = {{"speedup_vs_dense", speedup},
+                        {"weight_gb_per_s", napkin.weight_bytes / seconds * 1e-9},
+                        {"gflop_per_s", napkin.flops / seconds * 1e-9},
+                        {"active_neurons", facts.active_neurons},
+                        {"tile", options.tile},
+                        {"compression", options.compression},
+                        {"gated", options.gated},
+                        {"input_sets", options.input_sets}};
+        if (options.device == "cpu") {
+          record.extra["threads"] = cpu::num_threads();
+          record.extra["isa"] = cpu::to_string(cpu::active_isa());
+        }
+        fmt::print("{:>6} {:>8.4g} {:>9.1f} {:>8} {:>10.3f} {:>10.3f} {:>10.3f} {:>9.1f} {:>9.1f} {:>10.2e} {:>7.2f}x\n",
+                   rows, density, facts.nnz_per_row, record.impl, record.timing.median_ms, record.timing.p10_ms,
+                   record.timing.p90_ms, napkin.weight_bytes / seconds * 1e-9, napkin.flops / seconds * 1e-9,
+                   record.rel_err, speedup);
+        std::fflush(stdout);
+        records.push_back(std::move(record));
+      }
+    }
+
+  fmt::print("\nspeedup over dense (median time):\n");
+  for (const auto& impl : device.impls) {
+    if (impl->name() == "dense") continue;
+    for (const BenchRecord& record : records)
+      if (record.impl == impl->name())
+        fmt::print("  {:<8} M={:<5} density={:<6.4g} {:6.2f}x\n", record.impl, record.M, record.target_density,
+                   record.extra["speedup_vs_dense"].get<double>());
+  }
+  if (!options.json_path.empty()) {
+    write_bench_json(options.json_path, records);
+    fmt::print("wrote {} records to {}\n", records.size(), options.json_path);
+  }
+}
+
+}  // namespace
+
+FfnBenchDevice make_cpu_ffn_bench(const FfnBenchOptions& options) {
+  cpu::set_num_threads(options.threads);
+  if (!options.isa.empty()) cpu::set_isa(parse_isa(options.isa));
+  FfnBenchDevice device;
+  device.model = cpu_model_name();
+  device.impls.push_back(std::make_unique<CpuDense>());
+  device.impls.push_back(std::make_unique<CpuTwell>(options.tile, options.compression));
+  return device;
+}
+
+void add_bench_ffn(CLI::App& bench) {
+  auto options = std::make_shared<FfnBenchOptions>();
+  CLI::App* command = bench.add_subcommand("ffn", "dense FFN against the sparse (TwELL) FFN, standard workload");
+  command->add_option("--device", options->device, "cpu or cuda")->capture_default_str();
+  command->add_option("--m", options->rows, "rows (tokens) per call, comma-separated")->delimiter(',')
+      ->capture_default_str();
+  command->add_option("--d", options->d_model, "model width D")->capture_default_str();
+  command->add_option("--h", options->d_hidden, "FFN hidden width H")->capture_default_str();
+  command->add_option("--density", options->densities, "target densities of the relu projection, comma-separated")
+      ->delimiter(',')->capture_default_str();
+  command->add_flag("!--non-gated", options->gated, "non-gated FFN: y = relu(x·Wu^T)·Wd");
+  command->add_option("--tile", options->tile, "TwELL tile width T (128 or 256)")->capture_default_str();
+  command->add_option("--compression", options->compression, "TwELL compression C (2, 4 or 8)")->capture_default_str();
+  command->add_option("--threads", options->threads, "CPU threads, 0 = all cores")->capture_default_str();
+  command->add_option("--isa", options->isa, "CPU kernels: scalar, avx2 or avx512 (default: the best this CPU has)");
+  command->add_option("--inputs", options->input_sets, "activation sets rotated between reps")->capture_default_str();
+  command->add_option("--warmup", options->warmup, "untimed runs per implementation and shape")->capture_default_str();
+  command->add_option("--reps", options->reps, "timed runs per implementation and shape")->capture_default_str();
+  command->add_option("--seed", options->seed, "workload seed")->capture_default_str();
+  command->add_option("--json", options->json_path, "write the records (bench_record.h schema) to this file");
+  command->callback([options] { run_ffn_bench(*options); });
+}
+
+}  // namespace twell::cli

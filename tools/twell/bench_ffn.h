@@ -1,0 +1,65 @@
+// `twell bench ffn`: the dense FFN against the sparse implementations of one device, on the
+// standard synthetic workload (include/twell/workload.h).
+//
+// A device plugs in by returning its implementations from a make_<device>_ffn_bench function:
+// the CPU's live in bench_ffn.cpp, the CUDA ones in their own file (compiled only when
+// TWELL_HAVE_CUDA). The driver owns the workload, the input rotation, the statistics, the error
+// against the float64 reference, the table and the JSON records.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "twell/workload.h"
+
+namespace twell::cli {
+
+struct FfnBenchOptions {
+  std::string device = "cpu";
+  std::vector<int64_t> rows = {1, 16, 256};         // M values
+  int32_t d_model = 2048;                            // D
+  int32_t d_hidden = 5632;                           // H
+  std::vector<double> densities = {0.005, 0.02, 0.1};
+  bool gated = true;
+  int32_t tile = 128;         // TwELL T
+  int32_t compression = 4;    // TwELL C
+  int threads = 0;            // CPU threads, 0 = all cores
+  std::string isa;            // CPU ISA override ("scalar", "avx2", "avx512"); empty = best
+  int input_sets = 3;         // rotated activations
+  int warmup = 3;
+  int reps = 20;
+  uint64_t seed = 1;
+  std::string json_path;
+};
+
+// One FFN implementation as the benchmark sees it. The driver calls prepare once per (M, density),
+// then run_ms many times, then output.
+class FfnBenchImpl {
+ public:
+  virtual ~FfnBenchImpl() = default;
+  // "dense" for the baseline; sparse ones say what they run ("twell", ...).
+  virtual std::string name() const = 0;
+  // The weights of `work` and the rotated activations inputs[i] [M, D]; a device impl uploads them here.
+  virtual void prepare(const Workload& work, const std::vector<std::vector<float>>& inputs) = 0;
+  // One complete FFN on inputs[input], y kept; returns its time in milliseconds (host wall clock
+  // around a synchronous call on the CPU, events on a GPU).
+  virtual double run_ms(int input) = 0;
+  // y [M, D] of the last run, on the host.
+  virtual std::vector<float> output() = 0;
+  // Extra memory the implementation holds for this shape (scratch, packed activations).
+  virtual int64_t peak_bytes() const = 0;
+};
+
+struct FfnBenchDevice {
+  std::string model;  // the CPU model or GPU name (BenchRecord::gpu_name)
+  std::vector<std::unique_ptr<FfnBenchImpl>> impls;  // impls[0] is the dense baseline
+};
+
+FfnBenchDevice make_cpu_ffn_bench(const FfnBenchOptions& options);
+#if defined(TWELL_HAVE_CUDA)
+FfnBenchDevice make_cuda_ffn_bench(const FfnBenchOptions& options);
+#endif
+
+}  // namespace twell::cli
