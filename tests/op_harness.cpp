@@ -215,6 +215,8 @@ testing::AssertionResult near_relative_l2(const std::string& what, const float* 
       return testing::AssertionFailure() << what << "[" << i << "] = " << got[i]
                                          << " (unwritten or non-finite; reference " << ref[i] << ")";
   const double error = relative_l2_error(got, ref, count);
+  testing::Test::RecordProperty(what + "_rel_err", fmt::format("{:.3g}", error));  // margins, in --gtest_output
+  testing::Test::RecordProperty(what + "_tolerance", fmt::format("{:.3g}", tolerance));
   if (error <= tolerance) return testing::AssertionSuccess();
   size_t worst = 0;
   for (size_t i = 1; i < count; ++i)
