@@ -14,8 +14,10 @@
 //   row_nnz     int32 [M]           the row's true number of non-zeros (also when it exceeds W).
 //   backup_slot int32 [M]           -1 when the row fits the ELL block; otherwise b, and the row
 //                                   lives densely in backup[b] while its ELL entries are all 0.
-//   backup      bf16  [capacity, H] dense copies of the rows with more than W non-zeros.
+//   backup      bf16  [capacity, H] dense copies of the rows with more than W non-zeros (exactly
+//                                   row_nnz non-zeros each; zeros written as +0.0).
 //   backup_rows int32 [capacity]    backup row b holds row backup_rows[b]; entries >= backup_used unused.
+//                                   For b < backup_used: backup_rows[b] == r iff backup_slot[r] == b.
 //   backup_used int32               backup rows in use. A producer never drops a row: it grows the
 //                                   backup (CPU) or reports backup_used > capacity so the caller can
 //                                   grow it and repeat, or take the dense path (GPU).

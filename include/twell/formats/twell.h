@@ -19,15 +19,19 @@
 //                                       v <  0: the tile overflowed (more than S non-zeros); its whole
 //                                       dense segment lives in spill row (-v - 1); its slots are all 0.
 //   spill     bf16   [spill_capacity, T]  dense relu'd values of an overflowing tile's T columns,
-//                                       columns past H written as 0.
+//                                       columns past H written as 0. Each spill row in
+//                                       [0, spill_used) belongs to exactly one tile; the order of
+//                                       the rows is the producer's.
 //   spill_used int32 (one counter)      number of spill rows requested. May exceed spill_capacity:
 //                                       then the packing is incomplete and the producer's caller must
 //                                       either grow the spill and pack again or take the dense path.
-//                                       Consumers refuse an incomplete packing (see twell_complete).
+//                                       Consumers refuse an incomplete packing (TwellMatrix::complete()).
 //
+// Non-zero means any bf16 other than +0.0 and -0.0; a zero a producer writes is +0.0.
 // Overflow is exact: a spilled tile keeps all T of its values; nothing is dropped, nothing is read
-// out of bounds. Values are stored as bf16 (the same rounding the dense bf16 path applies); a value
-// that rounds to zero is still stored if the fp32 gate was > 0, so the pattern is that of relu(fp32).
+// out of bounds. A producer spills a tile iff it has more than S non-zeros. Values are stored as
+// bf16 (the same rounding the dense bf16 path applies); a value that rounds to zero is still stored
+// if the fp32 gate was > 0, so the pattern is that of relu(fp32).
 #pragma once
 
 #include <cstdint>
