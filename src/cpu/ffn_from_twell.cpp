@@ -96,6 +96,13 @@ void gather_by_neuron(const TwellMatrix& gate, NeuronLists& lists) {
   });
 }
 
+// Asks for a weight row ahead of use: active neurons are scattered over H, so every row starts a
+// new stream that the hardware prefetchers would only pick up after a few misses.
+void prefetch_row(const float* row, int32_t count) {
+  constexpr int32_t kFloatsPerLine = 16;
+  for (int32_t k = 0; k < count; k += kFloatsPerLine) __builtin_prefetch(row + k);
+}
+
 }  // namespace
 
 void ffn_from_twell(const float* x, const TwellMatrix& gate, const FfnWeights& weights, float* y) {
@@ -128,20 +135,23 @@ void ffn_from_twell(const float* x, const TwellMatrix& gate, const FfnWeights& w
 #pragma omp for schedule(dynamic, 4)
       for (int64_t a = 0; a < active_count; ++a) {
         const int32_t j = lists.active[a];
-        const float* up_row = w_up + static_cast<int64_t>(j) * d;  // [D]
-        for (int64_t e = lists.offsets[j]; e < lists.offsets[j + 1]; ++e)
-          lists.values[e] *= kernels.dot(x + static_cast<int64_t>(lists.rows[e]) * d, up_row, d);
+        if (a + 1 < active_count) prefetch_row(w_up + static_cast<int64_t>(lists.active[a + 1]) * d, d);
+        const int64_t first = lists.offsets[j];
+        kernels.scale_by_dots(w_up + static_cast<int64_t>(j) * d, x, d, lists.rows.data() + first,
+                              lists.offsets[j + 1] - first, lists.values.data() + first);
       }
     }
     const int32_t first_column = std::min(d, omp_get_thread_num() * slice);
     const int32_t columns = std::min(d, first_column + slice) - first_column;
     if (columns > 0) {
       for (int64_t row = 0; row < rows; ++row) std::fill_n(y + row * d + first_column, columns, 0.0f);
-      for (int32_t j : lists.active) {
-        const float* down_slice = w_down + static_cast<int64_t>(j) * d + first_column;  // [columns]
-        for (int64_t e = lists.offsets[j]; e < lists.offsets[j + 1]; ++e)
-          kernels.axpy(lists.values[e], down_slice, y + static_cast<int64_t>(lists.rows[e]) * d + first_column,
-                       columns);
+      for (int64_t a = 0; a < active_count; ++a) {
+        const int32_t j = lists.active[a];
+        if (a + 1 < active_count)
+          prefetch_row(w_down + static_cast<int64_t>(lists.active[a + 1]) * d + first_column, columns);
+        const int64_t first = lists.offsets[j];
+        kernels.scatter_axpy(w_down + static_cast<int64_t>(j) * d + first_column, columns, lists.rows.data() + first,
+                             lists.values.data() + first, lists.offsets[j + 1] - first, y + first_column, d);
       }
     }
   }

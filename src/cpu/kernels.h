@@ -14,10 +14,12 @@ struct KernelTable {
   // x [rows, d] (row stride d), w [neurons, d], out [rows, out_stride].
   void (*dot_block)(const float* x, int64_t rows, const float* w, int32_t neurons, int32_t d, float* out,
                     int64_t out_stride);
-  // a[0:n]·b[0:n]
-  float (*dot)(const float* a, const float* b, int32_t n);
-  // y[0:n] += alpha·w[0:n]
-  void (*axpy)(float alpha, const float* w, float* y, int32_t n);
+  // values[i] *= x[rows[i], :]·w for i < count.  w [d], x [*, d], rows [count], values [count]
+  void (*scale_by_dots)(const float* w, const float* x, int32_t d, const int32_t* rows, int64_t count,
+                        float* values);
+  // y[rows[i] * y_stride + 0:n] += alphas[i]·w[0:n] for i < count.  w [n]; rows distinct
+  void (*scatter_axpy)(const float* w, int32_t n, const int32_t* rows, const float* alphas, int64_t count, float* y,
+                       int64_t y_stride);
   // Writes the indices i < n with values[i] > 0 to positive[] in ascending order and returns how
   // many; sets *has_nan when a value is NaN. positive [n].
   int32_t (*find_positive)(const float* values, int32_t n, int32_t* positive, bool* has_nan);
