@@ -6,5 +6,8 @@
 namespace twell::cli {
 
 void add_bench_ffn(CLI::App& bench);
+void add_generate(CLI::App& app);
+void add_stats(CLI::App& app);
+void add_bench_model(CLI::App& bench);
 
 }  // namespace twell::cli
