@@ -194,8 +194,12 @@ TEST(OpHarnessFfn, BrokenGateToTwellFails) {
     };
     return run_gate_to_twell(backend, kSelfTestCase);
   };
-  EXPECT_FALSE(broken([](TwellMatrix& out) {  // one value off by 2 ulps
-    out.slots[0] += 2;
+  EXPECT_FALSE(broken([](TwellMatrix& out) {  // one stored value off by 2 ulps
+    for (size_t t = 0; t < out.tile_nnz.size(); ++t)
+      if (out.tile_nnz[t] > 0) {
+        out.slots[t * out.shape.slots()] += 2;
+        return;
+      }
   }));
   EXPECT_FALSE(broken([](TwellMatrix& out) {  // the last non-zero of a slot tile dropped
     for (size_t t = 0; t < out.tile_nnz.size(); ++t)
