@@ -136,6 +136,7 @@ std::vector<OpCase> twell_cases() {
       {.rows = 1, .d_model = 2048, .d_hidden = 5632, .density = 0.005, .tile = 128, .compression = 4, .seed = 7},
       {.rows = 300, .d_model = 96, .d_hidden = 1000, .density = 0.02, .gated = false, .tile = 256,
        .compression = 4, .seed = 8},
+      {.rows = 3, .d_model = 4096, .d_hidden = 1000, .density = 0.1, .tile = 256, .compression = 4, .seed = 9},
   };
   for (const OpCase& c : sample_cases(0x7e11, 24, OpCase{}, /*vary_gated=*/true)) cases.push_back(c);
   return cases;
@@ -176,6 +177,8 @@ std::vector<OpCase> hybrid_cases() {
 std::string backend_case_name(const testing::TestParamInfo<BackendCase>& info) {
   return info.param.backend + "__" + info.param.op_case.name();
 }
+
+void PrintTo(const BackendCase& pair, std::ostream* out) { *out << pair.backend << " " << pair.op_case.name(); }
 
 void OpTest::SetUp() {
   const FfnBackend& b = backend();

@@ -30,6 +30,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -131,6 +132,7 @@ std::vector<BackendCase> backend_cases(Op FfnBackend::*op, const std::vector<OpC
   return pairs;
 }
 std::string backend_case_name(const testing::TestParamInfo<BackendCase>& info);
+void PrintTo(const BackendCase& pair, std::ostream* out);  // how gtest shows GetParam()
 
 // Fixture: skips (with the backend's reason) when the backend cannot run here.
 class OpTest : public testing::TestWithParam<BackendCase> {
