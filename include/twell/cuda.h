@@ -1,0 +1,170 @@
+// CUDA backend (sm_90a, H100/H200): batched sparse FFN inference on bf16 data with fp32 accumulation.
+//
+//   gate_to_twell   g = relu(x·W^T) on the tensor cores (WGMMA fed by TMA), packed into TwELL in the
+//                   GEMM's epilogue: no dense [M, H] gate ever reaches global memory.
+//   ffn_from_twell  y = Σ_j g_j·(x·Wu[j])·Wd[j] over the packed non-zeros (gated), or Σ_j g_j·Wd[j]
+//                   (non-gated); fp32 accumulation, y written once as bf16.
+//   DenseFfn        the baseline: cuBLASLt bf16 GEMMs (ReLU fused into the gate GEMM's epilogue).
+//   SparseFfn       the FFN a model calls: picks TwELL or dense per call (rule in SparseFfn below).
+//
+// All pointers named x, y are device pointers to bf16 [M, D], row-major. Every op is asynchronous on
+// the given stream unless its comment says otherwise. Weights use the canonical neuron-major layout
+// [H, D] of host_tensors.h. D must be a multiple of 64 (16-byte TMA rows, whole k-tiles); H <= 65536.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+#include "twell/host_tensors.h"
+
+namespace twell::cuda {
+
+// True when a CUDA device can be used (tests skip cleanly when false).
+bool available();
+// The GPU's name, as cudaGetDeviceProperties reports it.
+const char* device_name();
+
+// ---- device memory ------------------------------------------------------------------------------
+void* device_allocate(size_t bytes);  // throws twell::Error naming the size when the GPU is full
+void device_free(void* pointer) noexcept;
+struct DeviceFree {
+  void operator()(void* pointer) const noexcept { device_free(pointer); }
+};
+template <typename T>
+using DeviceArray = std::unique_ptr<T[], DeviceFree>;
+template <typename T>
+DeviceArray<T> make_device_array(size_t count) {
+  return DeviceArray<T>(static_cast<T*>(device_allocate(count * sizeof(T))));
+}
+void copy_to_device(void* device, const void* host, size_t bytes, cudaStream_t stream = nullptr);
+// Synchronizes `stream` before returning.
+void copy_to_host(void* host, const void* device, size_t bytes, cudaStream_t stream = nullptr);
+// Uploads fp32 host values as bf16 (round to nearest even).
+DeviceArray<bf16> upload_bf16(const float* host, size_t count, cudaStream_t stream = nullptr);
+std::vector<float> download_bf16(const bf16* device, size_t count, cudaStream_t stream = nullptr);
+
+// ---- FFN weights on the device ----------------------------------------------------------------
+struct DeviceFfnWeights {
+  int32_t d_model = 0;   // D
+  int32_t d_hidden = 0;  // H
+  bool gated = true;
+  DeviceArray<bf16> gate;  // [H, D] (null when !gated)
+  DeviceArray<bf16> up;    // [H, D]
+  DeviceArray<bf16> down;  // [H, D]
+
+  // The projection whose relu is packed: gate when gated, up otherwise (host_tensors.h).
+  const bf16* relu_projection() const { return gated ? gate.get() : up.get(); }
+};
+// Validates and uploads (every value rounded to bf16); synchronous.
+DeviceFfnWeights upload_weights(const FfnWeights& weights);
+
+// ---- TwELL on the device (layout: include/twell/formats/twell.h) -----------------------------
+struct DeviceTwell {
+  TwellShape shape;
+  int64_t spill_capacity = 0;          // spill rows allocated
+  DeviceArray<TwellSlot> slots;        // [M, n_tiles, S]
+  DeviceArray<int32_t> tile_nnz;       // [M, n_tiles]
+  DeviceArray<bf16> spill;             // [spill_capacity, T]
+  DeviceArray<int32_t> spill_used;     // [1] spill rows the last packing asked for
+  DeviceArray<unsigned long long> nnz_total;  // [1] non-zeros the last packing found (for SparseFfn)
+  int64_t slot_capacity = 0;           // slots allocated (>= shape.slot_count())
+  int64_t tile_capacity = 0;           // tile_nnz entries allocated
+
+  bool empty() const { return !slots; }
+};
+// Shapes `packed` for `shape` with at least `spill_rows` spill rows; reallocates only to grow.
+void reserve(DeviceTwell& packed, const TwellShape& shape, int64_t spill_rows);
+// Host copy (slots, counts, spill rows in use, spill_used); synchronous.
+TwellMatrix download(const DeviceTwell& packed, cudaStream_t stream = nullptr);
+// Device copy of a host packing (any valid one, e.g. twell_from_dense's); synchronous.
+void upload(const TwellMatrix& packed, DeviceTwell& out, cudaStream_t stream = nullptr);
+// The spill rows the last packing asked for (synchronous read of spill_used).
+int32_t spill_rows_used(const DeviceTwell& packed, cudaStream_t stream = nullptr);
+
+// ---- ops ---------------------------------------------------------------------------------------
+// Packs g = relu(x·W^T), W = weights.relu_projection(), x [M, D]. Reserves `out` for
+// (M, H, tile, compression); keeps its spill capacity (at least M·n_tiles/16 rows). Asynchronous:
+// afterwards spill_used may exceed the capacity (an incomplete packing, twell.h); then either call
+// gate_to_twell_complete, or hand it to ffn_from_twell, which recomputes the lost tiles exactly.
+void gate_to_twell(const bf16* x, int64_t rows, const DeviceFfnWeights& weights, int32_t tile,
+                   int32_t compression, DeviceTwell& out, cudaStream_t stream = nullptr);
+// As gate_to_twell, then (synchronously) while the spill was too small: grow it and pack again.
+void gate_to_twell_complete(const bf16* x, int64_t rows, const DeviceFfnWeights& weights, int32_t tile,
+                            int32_t compression, DeviceTwell& out, cudaStream_t stream = nullptr);
+
+// y [M, D] from the packed relu projection: gated -> up and down only at non-zero gates, non-gated
+// -> down only. A tile whose spill row was lost to a too-small spill (row >= capacity) is recomputed
+// from x and W (the same relu(x·W^T) the packer saw, fp32 accumulation), so no input is ever wrong.
+void ffn_from_twell(const bf16* x, const DeviceTwell& gate, const DeviceFfnWeights& weights, bf16* y,
+                    cudaStream_t stream = nullptr);
+
+// Dense baseline through cuBLASLt: gate GEMM (ReLU epilogue), up GEMM, h = g ⊙ u, down GEMM
+// (non-gated: up GEMM with ReLU epilogue, down GEMM). Holds the handle, a workspace, the [M, H]
+// intermediates and the chosen algorithm per shape.
+class DenseFfn {
+ public:
+  DenseFfn();
+  ~DenseFfn();
+  DenseFfn(DenseFfn&&) noexcept;
+  DenseFfn& operator=(DenseFfn&&) noexcept;
+
+  void run(const bf16* x, int64_t rows, const DeviceFfnWeights& weights, bf16* y, cudaStream_t stream = nullptr);
+  // Device bytes held beyond the inputs and outputs (workspace + intermediates).
+  int64_t scratch_bytes() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// The FFN with dispatch. Rule: for each (M bucket = ceil(log2 M), density bucket = floor(log2(1 +
+// non-zeros per row)) of the previous packing), the first call of a bucket runs TwELL and the second
+// runs dense, each run twice and the second timed with CUDA events (one synchronization each; the
+// first run takes one-time costs such as plans and allocations out); later calls in the bucket take
+// the faster, so a call is never slower than dense by more than the timing noise of those two calls.
+// The density bucket comes from the last TwELL call (the packer counts its non-zeros); the spill
+// grows (for the next call) when the last packing overflowed it.
+struct SparseFfnOptions {
+  int32_t tile = 128;
+  int32_t compression = 4;
+  bool allow_dense = true;  // false: always TwELL (benchmarks of the kernels themselves)
+};
+class SparseFfn {
+ public:
+  explicit SparseFfn(SparseFfnOptions options = {});
+  ~SparseFfn();
+
+  void run(const bf16* x, int64_t rows, const DeviceFfnWeights& weights, bf16* y, cudaStream_t stream = nullptr);
+  bool last_call_was_dense() const { return last_dense_; }
+  const DeviceTwell& packed() const { return packed_; }
+  int64_t scratch_bytes() const;
+
+ private:
+  struct BucketTiming {
+    float twell_ms = -1;
+    float dense_ms = -1;
+  };
+  static int64_t bucket_key(int64_t rows, double nnz_per_row);
+  float timed_run(bool dense, const bf16* x, int64_t rows, const DeviceFfnWeights& weights, bf16* y,
+                  cudaStream_t stream);
+  void run_path(bool dense, const bf16* x, int64_t rows, const DeviceFfnWeights& weights, bf16* y,
+                cudaStream_t stream);
+
+  SparseFfnOptions options_;
+  DeviceTwell packed_;
+  DenseFfn dense_;
+  std::map<int64_t, BucketTiming> timings_;
+  double last_nnz_per_row_ = -1;  // unknown before the first TwELL call
+  bool last_dense_ = false;
+  cudaEvent_t start_ = nullptr, stop_ = nullptr;
+  unsigned long long* nnz_host_ = nullptr;  // pinned copies of the last packing's counters
+  int32_t* spill_used_host_ = nullptr;
+  int64_t last_rows_ = 0;
+};
+
+}  // namespace twell::cuda

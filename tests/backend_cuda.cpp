@@ -1,0 +1,227 @@
+// The CUDA inference FFN (include/twell/cuda.h): its ops in the op-test harness (backend "cuda"), and
+// tests of what the harness cannot see: a spill that must grow, tiles lost to a too-small spill and
+// recomputed by the consumer, the error against float64 compared with the dense bf16 FFN's, and the
+// dispatching SparseFfn. Skipped without a GPU.
+//
+// The kernels need D to be a multiple of 64 (TMA rows, whole k-tiles); the adapters pad x and the
+// weights with zero columns up to the next multiple, which changes no dot product, and drop the
+// padded columns of y.
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "op_harness.h"
+#include "twell/bench_record.h"
+#include "twell/convert.h"
+#include "twell/cuda.h"
+#include "twell/error.h"
+#include "twell/reference.h"
+#include "twell/workload.h"
+
+namespace {
+
+using namespace twell;
+
+int32_t padded_model(int32_t d_model) { return (d_model + 63) / 64 * 64; }
+
+// [rows, d] -> [rows, d_padded] with zero columns on the right.
+std::vector<float> pad_columns(const float* values, int64_t rows, int32_t d, int32_t d_padded) {
+  std::vector<float> padded(static_cast<size_t>(rows) * d_padded, 0.f);
+  for (int64_t r = 0; r < rows; ++r) std::memcpy(&padded[r * d_padded], values + r * d, sizeof(float) * d);
+  return padded;
+}
+
+FfnWeights pad_weights(const FfnWeights& w) {
+  const int32_t d_padded = padded_model(w.d_model);
+  FfnWeights padded;
+  padded.d_model = d_padded;
+  padded.d_hidden = w.d_hidden;
+  padded.gated = w.gated;
+  if (w.gated) padded.gate = pad_columns(w.gate.data(), w.d_hidden, w.d_model, d_padded);
+  padded.up = pad_columns(w.up.data(), w.d_hidden, w.d_model, d_padded);
+  padded.down = pad_columns(w.down.data(), w.d_hidden, w.d_model, d_padded);
+  return padded;
+}
+
+// x uploaded as bf16 with D padded to a multiple of 64.  -> [M, D_padded]
+cuda::DeviceArray<bf16> upload_x(const float* x, int64_t rows, int32_t d_model) {
+  const int32_t d_padded = padded_model(d_model);
+  const std::vector<float> padded = pad_columns(x, rows, d_model, d_padded);
+  return cuda::upload_bf16(padded.data(), padded.size());
+}
+
+// y [M, D_padded] on the device -> y [M, D] on the host.
+void download_y(const bf16* y_device, int64_t rows, int32_t d_model, float* y) {
+  const int32_t d_padded = padded_model(d_model);
+  const std::vector<float> padded = cuda::download_bf16(y_device, static_cast<size_t>(rows) * d_padded);
+  for (int64_t r = 0; r < rows; ++r) std::memcpy(y + r * d_model, &padded[r * d_padded], sizeof(float) * d_model);
+}
+
+cuda::DeviceArray<bf16> poisoned_y(int64_t rows, int32_t d_model) {
+  const size_t count = static_cast<size_t>(rows) * padded_model(d_model);
+  cuda::DeviceArray<bf16> y = cuda::make_device_array<bf16>(count);
+  EXPECT_EQ(cudaMemset(y.get(), 0xff, count * sizeof(bf16)), cudaSuccess);  // bf16 NaN everywhere
+  return y;
+}
+
+std::string cuda_skip_reason() { return cuda::available() ? "" : "no CUDA device is available"; }
+
+const bool registered = test::register_backend({
+    .name = "cuda",
+    .skip_reason = cuda_skip_reason,
+    // The dense path rounds g, u and h to bf16; the TwELL path keeps h in fp32. y is bf16 in both.
+    .precision = {.hidden_bf16 = true, .output_bf16 = true},
+    .gate_to_twell =
+        [](const float* x, int64_t rows, const FfnWeights& weights, int32_t tile, int32_t compression,
+           TwellMatrix& out) {
+          const cuda::DeviceFfnWeights device_weights = cuda::upload_weights(pad_weights(weights));
+          const cuda::DeviceArray<bf16> device_x = upload_x(x, rows, weights.d_model);
+          cuda::DeviceTwell packed;
+          cuda::gate_to_twell_complete(device_x.get(), rows, device_weights, tile, compression, packed);
+          out = cuda::download(packed);
+        },
+    .ffn_from_twell =
+        [](const float* x, const TwellMatrix& gate, const FfnWeights& weights, float* y) {
+          const cuda::DeviceFfnWeights device_weights = cuda::upload_weights(pad_weights(weights));
+          const int64_t rows = gate.shape.rows;
+          const cuda::DeviceArray<bf16> device_x = upload_x(x, rows, weights.d_model);
+          cuda::DeviceTwell packed;
+          cuda::upload(gate, packed);
+          const cuda::DeviceArray<bf16> device_y = poisoned_y(rows, weights.d_model);
+          cuda::ffn_from_twell(device_x.get(), packed, device_weights, device_y.get());
+          download_y(device_y.get(), rows, weights.d_model, y);
+        },
+    .ffn_dense =
+        [](const float* x, int64_t rows, const FfnWeights& weights, float* y) {
+          const cuda::DeviceFfnWeights device_weights = cuda::upload_weights(pad_weights(weights));
+          const cuda::DeviceArray<bf16> device_x = upload_x(x, rows, weights.d_model);
+          const cuda::DeviceArray<bf16> device_y = poisoned_y(rows, weights.d_model);
+          cuda::DenseFfn dense;
+          dense.run(device_x.get(), rows, device_weights, device_y.get());
+          download_y(device_y.get(), rows, weights.d_model, y);
+        },
+});
+
+// ---- Tests beyond the harness ----
+
+class CudaFfn : public testing::Test {
+ protected:
+  void SetUp() override {
+    if (!cuda::available()) GTEST_SKIP() << "no CUDA device is available";
+  }
+};
+
+struct Prepared {
+  Workload work;
+  cuda::DeviceFfnWeights weights;
+  cuda::DeviceArray<bf16> x;
+  std::vector<double> y_ref;  // [M, D] float64
+};
+
+Prepared prepare(const WorkloadSpec& spec) {
+  Prepared p{make_workload(spec), {}, {}, {}};
+  p.weights = cuda::upload_weights(p.work.weights);
+  p.x = cuda::upload_bf16(p.work.x.data(), p.work.x.size());
+  p.y_ref = ref::ffn_dense(p.work.x.data(), spec.rows, p.work.weights);
+  return p;
+}
+
+double error_of(const Prepared& p, const cuda::DeviceArray<bf16>& y) {
+  const std::vector<float> host = cuda::download_bf16(y.get(), p.y_ref.size());
+  return relative_l2_error(host.data(), p.y_ref.data(), host.size());
+}
+
+// The packing of a dense matrix of the gate, for comparing packings that may order spill rows differently.
+std::vector<bf16> unpacked(const TwellMatrix& packed) {
+  validate(packed);
+  return dense_from_twell(packed);
+}
+
+TEST_F(CudaFfn, SpillGrowsUntilThePackingIsCompleteAndMatchesTheReference) {
+  // Density 1: every tile overflows every compression, far more spill rows than the default M·n_tiles/16.
+  for (int32_t tile : {128, 256}) {
+    SCOPED_TRACE(testing::Message() << "T=" << tile);
+    const WorkloadSpec spec{.rows = 37, .d_model = 128, .d_hidden = 1000, .density = 1.0, .seed = 11};
+    const Prepared p = prepare(spec);
+    cuda::DeviceTwell packed;
+    cuda::gate_to_twell(p.x.get(), spec.rows, p.weights, tile, 8, packed);
+    EXPECT_GT(cuda::spill_rows_used(packed), packed.spill_capacity) << "the first packing should overflow";
+    cuda::gate_to_twell_complete(p.x.get(), spec.rows, p.weights, tile, 8, packed);
+    const TwellMatrix got = cuda::download(packed);
+    ASSERT_TRUE(got.complete());
+    const TwellMatrix want = ref::gate_to_twell(p.work.x.data(), spec.rows, p.work.weights, tile, 8);
+    const std::vector<bf16> got_dense = unpacked(got), want_dense = unpacked(want);
+    // bf16 of an fp32 sum vs bf16 of the float64 sum: equal up to one rounding step near a tie.
+    int64_t differing = 0;
+    for (size_t i = 0; i < got_dense.size(); ++i) {
+      const float a = to_float(got_dense[i]), b = to_float(want_dense[i]);
+      if (std::fabs(a - b) > 1e-2f * std::fabs(b) + 1e-6f) ++differing;
+    }
+    EXPECT_EQ(differing, 0);
+  }
+}
+
+TEST_F(CudaFfn, TilesLostToASmallSpillAreRecomputedByTheConsumer) {
+  const WorkloadSpec spec{.rows = 19, .d_model = 256, .d_hidden = 700, .density = 0.6, .seed = 12};
+  const Prepared p = prepare(spec);
+  cuda::DeviceTwell packed;
+  cuda::gate_to_twell(p.x.get(), spec.rows, p.weights, 128, 8, packed);
+  ASSERT_GT(cuda::spill_rows_used(packed), packed.spill_capacity) << "this case must lose spill rows";
+  const cuda::DeviceArray<bf16> y = poisoned_y(spec.rows, spec.d_model);
+  cuda::ffn_from_twell(p.x.get(), packed, p.weights, y.get());
+  EXPECT_LT(error_of(p, y), 1e-2);
+}
+
+// The sparse FFN's error against float64 stays within 1.1x of the dense bf16 FFN's (cuBLASLt).
+TEST_F(CudaFfn, SparseErrorIsWithinTenPercentOfDenseBf16Error) {
+  for (bool gated : {true, false})
+    for (double density : {0.005, 0.1, 0.5}) {
+      SCOPED_TRACE(testing::Message() << "gated=" << gated << " density=" << density);
+      const WorkloadSpec spec{.rows = 67, .d_model = 512, .d_hidden = 1500, .density = density, .gated = gated,
+                              .seed = 13};
+      const Prepared p = prepare(spec);
+      const cuda::DeviceArray<bf16> y_dense = poisoned_y(spec.rows, spec.d_model);
+      cuda::DenseFfn dense;
+      dense.run(p.x.get(), spec.rows, p.weights, y_dense.get());
+      const cuda::DeviceArray<bf16> y_sparse = poisoned_y(spec.rows, spec.d_model);
+      cuda::DeviceTwell packed;
+      cuda::gate_to_twell(p.x.get(), spec.rows, p.weights, 128, 4, packed);
+      cuda::ffn_from_twell(p.x.get(), packed, p.weights, y_sparse.get());
+      const double dense_error = error_of(p, y_dense), sparse_error = error_of(p, y_sparse);
+      EXPECT_LT(dense_error, 2e-2);
+      EXPECT_LE(sparse_error, 1.1 * dense_error + 1e-6) << "dense error " << dense_error;
+    }
+}
+
+TEST_F(CudaFfn, DispatchingFfnIsRightOnEveryPath) {
+  const WorkloadSpec spec{.rows = 45, .d_model = 256, .d_hidden = 1000, .density = 0.05, .seed = 14};
+  const Prepared p = prepare(spec);
+  cuda::SparseFfn ffn;
+  bool saw_dense = false, saw_twell = false;
+  for (int call = 0; call < 5; ++call) {
+    const cuda::DeviceArray<bf16> y = poisoned_y(spec.rows, spec.d_model);
+    ffn.run(p.x.get(), spec.rows, p.weights, y.get());
+    (ffn.last_call_was_dense() ? saw_dense : saw_twell) = true;
+    EXPECT_LT(error_of(p, y), 1e-2) << "call " << call;
+  }
+  EXPECT_TRUE(saw_dense && saw_twell) << "the first calls of a bucket time both paths";
+}
+
+TEST_F(CudaFfn, RejectsBadArguments) {
+  FfnWeights odd;
+  odd.d_model = 100;
+  odd.d_hidden = 4;
+  odd.gated = false;
+  odd.up.assign(400, 0.5f);
+  odd.down.assign(400, 0.5f);
+  EXPECT_THROW(cuda::upload_weights(odd), Error);
+  const WorkloadSpec spec{.rows = 2, .d_model = 64, .d_hidden = 130, .density = 0.1, .seed = 15};
+  const Prepared p = prepare(spec);
+  cuda::DeviceTwell packed;
+  EXPECT_THROW(cuda::gate_to_twell(p.x.get(), spec.rows, p.weights, 64, 4, packed), Error);
+  EXPECT_THROW(cuda::gate_to_twell(p.x.get(), spec.rows, p.weights, 128, 3, packed), Error);
+}
+
+}  // namespace

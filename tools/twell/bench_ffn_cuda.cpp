@@ -1,0 +1,106 @@
+// `twell bench ffn --device cuda`: the CUDA implementations the driver (bench_ffn.cpp) times.
+//   dense       cuBLASLt bf16 GEMMs (cuda::DenseFfn)
+//   twell       gate GEMM -> TwELL, then the fused up+down kernel (always sparse)
+//   twell_auto  cuda::SparseFfn: TwELL or dense per call (its rule in include/twell/cuda.h)
+// Each run is timed with CUDA events around the call on the default stream.
+#if defined(TWELL_HAVE_CUDA)
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "bench_ffn.h"
+#include "twell/cuda.h"
+#include "twell/error.h"
+
+namespace twell::cli {
+namespace {
+
+class EventTimer {
+ public:
+  EventTimer() {
+    TWELL_REQUIRE(cudaEventCreate(&start_) == cudaSuccess && cudaEventCreate(&stop_) == cudaSuccess,
+                  "cudaEventCreate failed");
+  }
+  ~EventTimer() {
+    cudaEventDestroy(start_);
+    cudaEventDestroy(stop_);
+  }
+  template <typename Fn>
+  double time_ms(Fn&& fn) {
+    cudaEventRecord(start_);
+    fn();
+    cudaEventRecord(stop_);
+    const cudaError_t status = cudaEventSynchronize(stop_);
+    TWELL_REQUIRE(status == cudaSuccess, "CUDA error during a timed FFN: {}", cudaGetErrorString(status));
+    float ms = 0;
+    cudaEventElapsedTime(&ms, start_, stop_);
+    return ms;
+  }
+
+ private:
+  cudaEvent_t start_ = nullptr, stop_ = nullptr;
+};
+
+// Device copies of the workload: weights, the rotated inputs, y.
+class CudaImpl : public FfnBenchImpl {
+ public:
+  void prepare(const Workload& work, const std::vector<std::vector<float>>& inputs) override {
+    rows_ = work.spec.rows;
+    weights_ = cuda::upload_weights(work.weights);
+    inputs_.clear();
+    for (const std::vector<float>& x : inputs) inputs_.push_back(cuda::upload_bf16(x.data(), x.size()));
+    y_count_ = static_cast<size_t>(rows_) * work.spec.d_model;
+    y_ = cuda::make_device_array<bf16>(y_count_);
+  }
+  double run_ms(int input) override { return timer_.time_ms([&] { run(inputs_.at(input).get()); }); }
+  std::vector<float> output() override { return cuda::download_bf16(y_.get(), y_count_); }
+
+ protected:
+  virtual void run(const bf16* x) = 0;
+  int64_t rows_ = 0;
+  cuda::DeviceFfnWeights weights_;
+  std::vector<cuda::DeviceArray<bf16>> inputs_;
+  cuda::DeviceArray<bf16> y_;
+  size_t y_count_ = 0;
+  EventTimer timer_;
+};
+
+class CudaDense : public CudaImpl {
+ public:
+  std::string name() const override { return "dense"; }
+  int64_t peak_bytes() const override { return dense_.scratch_bytes(); }
+
+ private:
+  void run(const bf16* x) override { dense_.run(x, rows_, weights_, y_.get()); }
+  cuda::DenseFfn dense_;
+};
+
+class CudaTwell : public CudaImpl {
+ public:
+  CudaTwell(int32_t tile, int32_t compression, bool allow_dense)
+      : ffn_({.tile = tile, .compression = compression, .allow_dense = allow_dense}), allow_dense_(allow_dense) {}
+  std::string name() const override { return allow_dense_ ? "twell_auto" : "twell"; }
+  int64_t peak_bytes() const override { return ffn_.scratch_bytes(); }
+
+ private:
+  void run(const bf16* x) override { ffn_.run(x, rows_, weights_, y_.get()); }
+  cuda::SparseFfn ffn_;
+  bool allow_dense_;
+};
+
+}  // namespace
+
+FfnBenchDevice make_cuda_ffn_bench(const FfnBenchOptions& options) {
+  TWELL_REQUIRE(cuda::available(), "--device cuda: no CUDA device is available");
+  FfnBenchDevice device;
+  device.model = cuda::device_name();
+  device.impls.push_back(std::make_unique<CudaDense>());
+  device.impls.push_back(std::make_unique<CudaTwell>(options.tile, options.compression, false));
+  device.impls.push_back(std::make_unique<CudaTwell>(options.tile, options.compression, true));
+  return device;
+}
+
+}  // namespace twell::cli
+
+#endif  // TWELL_HAVE_CUDA
