@@ -6,6 +6,7 @@
 namespace twell::cli {
 
 void add_bench_ffn(CLI::App& bench);
+void add_bench_ffn_train(CLI::App& bench);
 void add_generate(CLI::App& app);
 void add_stats(CLI::App& app);
 void add_bench_model(CLI::App& bench);

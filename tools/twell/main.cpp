@@ -12,6 +12,7 @@ int main(int argc, char** argv) {
   CLI::App* bench = app.add_subcommand("bench", "time dense against sparse implementations");
   bench->require_subcommand(1);
   twell::cli::add_bench_ffn(*bench);
+  twell::cli::add_bench_ffn_train(*bench);
   twell::cli::add_bench_model(*bench);
   twell::cli::add_generate(app);
   twell::cli::add_stats(app);

@@ -1,0 +1,400 @@
+// The training FFN op: sparse path (hybrid gate, sampled products, per-neuron weight gradients,
+// backup rows through cuBLASLt) and dense path (cuBLASLt), with the dispatch between them.
+#include <algorithm>
+#include <cmath>
+
+#include "cuda/train_gemm.cuh"
+#include "cuda/train_kernels.cuh"
+#include "twell/error.h"
+#include "twell/train.h"
+
+namespace twell::cuda {
+namespace {
+
+// Activations the sparse path keeps from forward to backward, and its scratch.
+struct SparseBuffers {
+  DeviceTwell own_twell;                  // the gate packed by gate_to_twell
+  DeviceHybrid own_gate;                  // converted from the TwELL gate
+  DeviceBuffer<float> u_ell, h_ell;       // [M, W]
+  DeviceBuffer<float> dg_ell, du_ell;     // [M, W]
+  NeuronLists lists;
+  DeviceBuffer<bf16> x_backup, dy_backup;  // [B, D]
+  DeviceBuffer<bf16> y_backup;             // [B, D]
+  DeviceBuffer<float> dx_backup;           // [B, D]
+  DeviceBuffer<float> u_backup, dh_backup;  // [B, H]
+  DeviceBuffer<bf16> h_backup, dg_backup, du_backup;  // [B, H]
+
+  int64_t bytes() const {
+    const int64_t twell_bytes =
+        own_twell.empty() ? 0
+                          : own_twell.slot_capacity * int64_t{sizeof(TwellSlot)} + own_twell.tile_capacity * 4 +
+                                own_twell.spill_capacity * own_twell.shape.tile * 2;
+    return twell_bytes + own_gate.state().bytes() + lists.bytes() +
+           static_cast<int64_t>(u_ell.bytes() + h_ell.bytes() + dg_ell.bytes() + du_ell.bytes() + x_backup.bytes() +
+                                dy_backup.bytes() + y_backup.bytes() + dx_backup.bytes() + u_backup.bytes() +
+                                dh_backup.bytes() + h_backup.bytes() + dg_backup.bytes() + du_backup.bytes());
+  }
+};
+
+// The dense path's [M, H] activations (bf16): the gate pre-activation, u (then dg), h, dh (then du).
+struct DenseBuffers {
+  DeviceBuffer<bf16> g_pre, u, h, dh;
+
+  int64_t bytes() const { return static_cast<int64_t>(g_pre.bytes() + u.bytes() + h.bytes() + dh.bytes()); }
+};
+
+int32_t round_up(int64_t value, int32_t multiple) {
+  return static_cast<int32_t>((value + multiple - 1) / multiple * multiple);
+}
+
+// Raw pointers of the weights, each bf16 [H, D].
+struct WeightView {
+  int32_t d_model = 0, d_hidden = 0;
+  const bf16* gate = nullptr;
+  const bf16* up = nullptr;
+  const bf16* down = nullptr;
+};
+
+WeightView checked_view(const DeviceFfnWeights& w) {
+  TWELL_REQUIRE(w.d_model >= 8 && w.d_model % 8 == 0, "d_model must be a positive multiple of 8, got {}",
+                w.d_model);
+  TWELL_REQUIRE(w.d_hidden >= 1, "d_hidden must be positive, got {}", w.d_hidden);
+  TWELL_REQUIRE(w.gated && w.gate && w.up && w.down,
+                "the training FFN needs gated weights (gate, up, down on the device), got a non-gated or empty set");
+  return WeightView{w.d_model, w.d_hidden, w.gate.get(), w.up.get(), w.down.get()};
+}
+
+}  // namespace
+
+std::string to_string(TrainPath path) {
+  switch (path) {
+    case TrainPath::automatic: return "auto";
+    case TrainPath::sparse: return "sparse";
+    case TrainPath::dense: return "dense";
+  }
+  return "?";
+}
+
+TrainPath parse_train_path(const std::string& name) {
+  if (name == "auto") return TrainPath::automatic;
+  if (name == "sparse") return TrainPath::sparse;
+  if (name == "dense") return TrainPath::dense;
+  fail("training path must be 'auto', 'sparse' or 'dense', got '{}'", name);
+}
+
+struct FfnTrainOp::State {
+  FfnTrainOptions options;
+  RowMajorGemm gemm;
+  SparseBuffers sparse;
+  DenseBuffers dense;
+  DeviceBuffer<float> l1_row;     // [M] Σ|h| per row
+  DeviceBuffer<int32_t> nnz_row;  // [M] dense path: non-zeros of g per row
+  DeviceBuffer<double> stats;     // [2] l1, l0
+
+  // Read back without waiting: the next step's dispatch uses them once they have arrived.
+  HybridCounters* counters_host = nullptr;  // pinned
+  double* stats_host = nullptr;             // pinned [2]
+  cudaEvent_t stats_ready = nullptr;
+  bool stats_pending = false;
+  double measured_density = -1;  // of the latest step whose statistics arrived; < 0: none yet
+
+  // The last forward, for backward().
+  TrainPath path = TrainPath::sparse;
+  const bf16* x = nullptr;
+  int64_t rows = 0;
+  WeightView weights;
+  const DeviceHybrid* gate = nullptr;
+  int32_t backup_rows = 0;
+
+  explicit State(FfnTrainOptions o) : options(o) {
+    TWELL_CUDA_CHECK(cudaMallocHost(&counters_host, sizeof(HybridCounters)));
+    TWELL_CUDA_CHECK(cudaMallocHost(&stats_host, 2 * sizeof(double)));
+    TWELL_CUDA_CHECK(cudaEventCreateWithFlags(&stats_ready, cudaEventDisableTiming));
+    stats.resize(2);
+  }
+  ~State() {
+    if (stats_ready) cudaEventDestroy(stats_ready);
+    if (stats_host) cudaFreeHost(stats_host);
+    if (counters_host) cudaFreeHost(counters_host);
+  }
+
+  double density_estimate() {
+    if (stats_pending && cudaEventQuery(stats_ready) == cudaSuccess) {
+      stats_pending = false;
+      if (weights.d_hidden > 0) measured_density = stats_host[1] / weights.d_hidden;
+    }
+    cudaGetLastError();  // cudaErrorNotReady is no error here
+    return measured_density >= 0 ? measured_density : options.expected_density;
+  }
+
+  TrainPath resolve_path() {
+    if (options.path != TrainPath::automatic) return options.path;
+    return density_estimate() > options.dense_above_density ? TrainPath::dense : TrainPath::sparse;
+  }
+
+  // W: room for 1.5x the expected non-zeros per row plus a margin, in multiples of 8.
+  int32_t choose_ell_width(int32_t d_hidden) {
+    if (options.ell_width > 0) return std::min(options.ell_width, d_hidden);
+    const double expected = density_estimate() * d_hidden;
+    return std::clamp(round_up(static_cast<int64_t>(std::ceil(1.5 * expected)) + 16, 8), 1, d_hidden);
+  }
+
+  HybridCounters read_counters(const DeviceHybrid& gate, cudaStream_t stream) {
+    TWELL_CUDA_CHECK(cudaMemcpyAsync(counters_host, gate.state().counters.data(), sizeof(HybridCounters),
+                                     cudaMemcpyDeviceToHost, stream));
+    TWELL_CUDA_CHECK(cudaStreamSynchronize(stream));
+    return *counters_host;
+  }
+
+  void finish_forward(int64_t m, const int32_t* nnz_per_row, cudaStream_t stream) {
+    finish_step_stats(l1_row.data(), nnz_per_row, m, options.l1_coeff / static_cast<double>(m), stats.data(), stream);
+    TWELL_CUDA_CHECK(cudaMemcpyAsync(stats_host, stats.data(), 2 * sizeof(double), cudaMemcpyDeviceToHost, stream));
+    TWELL_CUDA_CHECK(cudaEventRecord(stats_ready, stream));
+    stats_pending = true;
+  }
+
+  void remember(TrainPath p, const bf16* x_in, int64_t m, const WeightView& w, const DeviceHybrid* g,
+                int32_t b) {
+    path = p;
+    x = x_in;
+    rows = m;
+    weights = w;
+    gate = g;
+    backup_rows = b;
+  }
+
+  // Converts `twell` to the hybrid gate (growing the backup, and repacking with `repack_with`
+  // when the packer's spill was too small), then runs sparse_forward.
+  void sparse_forward_from_twell(const bf16* x_in, int64_t m, const WeightView& w, const DeviceTwell& twell,
+                                 const DeviceFfnWeights* repack_with, bf16* y, cudaStream_t stream);
+  void sparse_forward(const bf16* x_in, int64_t m, const WeightView& w, const DeviceHybrid& g, int32_t b,
+                      bf16* y, cudaStream_t stream);
+  void sparse_backward(const bf16* dy, const DeviceFfnGrads& grads, cudaStream_t stream);
+  void dense_forward(const bf16* x_in, int64_t m, const WeightView& w, bf16* y, cudaStream_t stream);
+  void dense_backward(const bf16* dy, const DeviceFfnGrads& grads, cudaStream_t stream);
+};
+
+void FfnTrainOp::State::sparse_forward(const bf16* x_in, int64_t m, const WeightView& w, const DeviceHybrid& g,
+                                       int32_t b, bf16* y, cudaStream_t stream) {
+  dense = DenseBuffers{};
+  const HybridView view = view_of(g);
+  const int32_t d = w.d_model, h = w.d_hidden;
+  const int64_t ell = view.shape.ell_count();
+  SparseBuffers& s = sparse;
+  s.u_ell.resize(ell);
+  s.h_ell.resize(ell);
+  l1_row.resize(m);
+  sampled_up_projection(view, x_in, w.up, d, s.u_ell.data(), s.h_ell.data(), l1_row.data(), stream);
+  if (b > 0) {
+    s.x_backup.resize(int64_t{b} * d);
+    s.u_backup.resize(int64_t{b} * h);
+    s.h_backup.resize(int64_t{b} * h);
+    gather_rows(x_in, view.backup_rows, b, d, s.x_backup.data(), stream);
+    gemm.run(b, h, d, {s.x_backup.data(), d, false}, {w.up, d, true}, s.u_backup.data(), h, GemmOutput::f32, 0.0f,
+             stream);
+    gated_product_rows(view.backup, s.u_backup.data(), b, h, view.backup_rows, s.h_backup.data(), l1_row.data(),
+                       stream);
+  }
+  ell_rows_times_weights(view, s.h_ell.data(), w.down, nullptr, nullptr, d, y, stream);
+  if (b > 0) {
+    s.y_backup.resize(int64_t{b} * d);
+    gemm.run(b, d, h, {s.h_backup.data(), h, false}, {w.down, d, false}, s.y_backup.data(), d, GemmOutput::bf16, 0.0f,
+             stream);
+    scatter_rows(s.y_backup.data(), view.backup_rows, b, d, y, stream);
+  }
+  finish_forward(m, view.row_nnz, stream);
+  remember(TrainPath::sparse, x_in, m, w, &g, b);
+}
+
+void FfnTrainOp::State::sparse_backward(const bf16* dy, const DeviceFfnGrads& grads, cudaStream_t stream) {
+  const HybridView view = view_of(*gate);
+  const WeightView& w = weights;
+  const int32_t d = w.d_model, h = w.d_hidden, b = backup_rows;
+  const float l1_scale = static_cast<float>(options.l1_coeff / static_cast<double>(rows));
+  SparseBuffers& s = sparse;
+  s.dg_ell.resize(view.shape.ell_count());
+  s.du_ell.resize(view.shape.ell_count());
+  sampled_hidden_grad(view, dy, w.down, d, s.u_ell.data(), s.h_ell.data(), l1_scale, s.dg_ell.data(),
+                      s.du_ell.data(), stream);
+  ell_rows_times_weights(view, s.dg_ell.data(), w.gate, s.du_ell.data(), w.up, d, grads.dx, stream);
+  build_neuron_lists(view, s.lists, stream);
+  neuron_weight_grads(s.lists, view.shape, s.h_ell.data(), nullptr, dy, d, grads.d_down, nullptr, stream);
+  neuron_weight_grads(s.lists, view.shape, s.dg_ell.data(), s.du_ell.data(), x, d, grads.d_gate, grads.d_up, stream);
+  if (b == 0) return;
+
+  // Backup rows: the same products as dense GEMMs; the weight gradients accumulate (beta = 1).
+  s.dy_backup.resize(int64_t{b} * d);
+  s.dh_backup.resize(int64_t{b} * h);
+  s.dg_backup.resize(int64_t{b} * h);
+  s.du_backup.resize(int64_t{b} * h);
+  s.dx_backup.resize(int64_t{b} * d);
+  gather_rows(dy, view.backup_rows, b, d, s.dy_backup.data(), stream);
+  gemm.run(b, h, d, {s.dy_backup.data(), d, false}, {w.down, d, true}, s.dh_backup.data(), h, GemmOutput::f32, 0.0f,
+           stream);
+  gated_product_grad_rows(view.backup, s.u_backup.data(), s.dh_backup.data(), b, h, l1_scale, s.dg_backup.data(),
+                          s.du_backup.data(), stream);
+  gemm.run(b, d, h, {s.dg_backup.data(), h, false}, {w.gate, d, false}, s.dx_backup.data(), d, GemmOutput::f32, 0.0f,
+           stream);
+  gemm.run(b, d, h, {s.du_backup.data(), h, false}, {w.up, d, false}, s.dx_backup.data(), d, GemmOutput::f32, 1.0f,
+           stream);
+  scatter_rows(s.dx_backup.data(), view.backup_rows, b, d, grads.dx, stream);
+  gemm.run(h, d, b, {s.h_backup.data(), h, true}, {s.dy_backup.data(), d, false}, grads.d_down, d, GemmOutput::f32,
+           1.0f, stream);
+  gemm.run(h, d, b, {s.dg_backup.data(), h, true}, {s.x_backup.data(), d, false}, grads.d_gate, d, GemmOutput::f32,
+           1.0f, stream);
+  gemm.run(h, d, b, {s.du_backup.data(), h, true}, {s.x_backup.data(), d, false}, grads.d_up, d, GemmOutput::f32,
+           1.0f, stream);
+}
+
+void FfnTrainOp::State::dense_forward(const bf16* x_in, int64_t m, const WeightView& w, bf16* y,
+                                      cudaStream_t stream) {
+  sparse = SparseBuffers{};
+  const int32_t d = w.d_model, h = w.d_hidden;
+  const int64_t hidden = m * h;
+  dense.g_pre.resize(hidden);
+  dense.u.resize(hidden);
+  dense.h.resize(hidden);
+  l1_row.resize(m);
+  nnz_row.resize(m);
+  gemm.run(m, h, d, {x_in, d, false}, {w.gate, d, true}, dense.g_pre.data(), h, GemmOutput::bf16, 0.0f, stream);
+  gemm.run(m, h, d, {x_in, d, false}, {w.up, d, true}, dense.u.data(), h, GemmOutput::bf16, 0.0f, stream);
+  gated_product_rows(dense.g_pre.data(), dense.u.data(), m, h, dense.h.data(), l1_row.data(), nnz_row.data(), stream);
+  gemm.run(m, d, h, {dense.h.data(), h, false}, {w.down, d, false}, y, d, GemmOutput::bf16, 0.0f, stream);
+  finish_forward(m, nnz_row.data(), stream);
+  remember(TrainPath::dense, x_in, m, w, nullptr, 0);
+}
+
+void FfnTrainOp::State::dense_backward(const bf16* dy, const DeviceFfnGrads& grads, cudaStream_t stream) {
+  const WeightView& w = weights;
+  const int32_t d = w.d_model, h = w.d_hidden;
+  const int64_t m = rows;
+  const float l1_scale = static_cast<float>(options.l1_coeff / static_cast<double>(m));
+  dense.dh.resize(m * h);
+  gemm.run(m, h, d, {dy, d, false}, {w.down, d, true}, dense.dh.data(), h, GemmOutput::bf16, 0.0f, stream);
+  gated_product_grad_rows_in_place(dense.g_pre.data(), dense.u.data(), dense.dh.data(), m, h, l1_scale, stream);
+  const bf16* dg = dense.u.data();
+  const bf16* du = dense.dh.data();
+  gemm.run(m, d, h, {dg, h, false}, {w.gate, d, false}, grads.dx, d, GemmOutput::bf16, 0.0f, stream);
+  gemm.run(m, d, h, {du, h, false}, {w.up, d, false}, grads.dx, d, GemmOutput::bf16, 1.0f, stream);
+  gemm.run(h, d, m, {dense.h.data(), h, true}, {dy, d, false}, grads.d_down, d, GemmOutput::f32, 0.0f, stream);
+  gemm.run(h, d, m, {dg, h, true}, {x, d, false}, grads.d_gate, d, GemmOutput::f32, 0.0f, stream);
+  gemm.run(h, d, m, {du, h, true}, {x, d, false}, grads.d_up, d, GemmOutput::f32, 0.0f, stream);
+}
+
+FfnTrainOp::FfnTrainOp(FfnTrainOptions options) : state_(std::make_unique<State>(options)) {
+  TWELL_REQUIRE(options.l1_coeff >= 0, "l1_coeff must be >= 0, got {}", options.l1_coeff);
+  TWELL_REQUIRE(options.ell_width >= 0, "ell_width must be >= 0 (0 = automatic), got {}", options.ell_width);
+  TWELL_REQUIRE(options.expected_density >= 0 && options.expected_density <= 1,
+                "expected_density must be in [0, 1], got {}", options.expected_density);
+}
+
+FfnTrainOp::~FfnTrainOp() = default;
+
+void FfnTrainOp::State::sparse_forward_from_twell(const bf16* x_in, int64_t m, const WeightView& w,
+                                                  const DeviceTwell& twell, const DeviceFfnWeights* repack_with,
+                                                  bf16* y, cudaStream_t stream) {
+  TWELL_REQUIRE(twell.shape.rows == m && twell.shape.cols == w.d_hidden,
+                "TwELL gate must be [M = {}, H = {}], got [{}, {}]", m, w.d_hidden, twell.shape.rows,
+                twell.shape.cols);
+  const int32_t width = choose_ell_width(w.d_hidden);
+  DeviceHybrid& hybrid = sparse.own_gate;
+  // First guess for the backup: 1/64 of the rows, at least 16; it only grows.
+  const int32_t initial_capacity = static_cast<int32_t>(std::min<int64_t>(m, std::max<int64_t>(16, m / 64)));
+  hybrid.reserve(HybridShape{m, w.d_hidden, width}, std::max(hybrid.backup_capacity(), initial_capacity));
+  for (;;) {
+    twell_to_hybrid(twell, width, hybrid, stream);
+    const HybridCounters counters = read_counters(hybrid, stream);  // the step's synchronisation
+    if (counters.gate_incomplete != 0) {
+      TWELL_REQUIRE(repack_with != nullptr,
+                    "the TwELL gate is an incomplete packing (spill_used > spill capacity): grow the spill and pack "
+                    "again");
+      // The packer's spill was too small: grow it with headroom and pack again (rare; one more sync).
+      const int64_t used = spill_rows_used(sparse.own_twell, stream);
+      reserve(sparse.own_twell, twell.shape, used + used / 4 + 16);
+      gate_to_twell(x_in, m, *repack_with, options.tile, options.compression, sparse.own_twell, stream);
+      continue;
+    }
+    if (counters.backup_used <= hybrid.backup_capacity()) {
+      sparse_forward(x_in, m, w, hybrid, counters.backup_used, y, stream);
+      return;
+    }
+    // Too many rows over W: grow the backup with headroom and convert again (rows are never dropped).
+    const int64_t grown = int64_t{counters.backup_used} + counters.backup_used / 4 + 16;
+    hybrid.reserve(hybrid.shape(), static_cast<int32_t>(std::min<int64_t>(m, grown)));
+  }
+}
+
+void FfnTrainOp::forward(const bf16* x, int64_t rows, const DeviceFfnWeights& weights, bf16* y,
+                         cudaStream_t stream) {
+  const WeightView w = checked_view(weights);
+  TWELL_REQUIRE(rows >= 1, "rows must be positive, got {}", rows);
+  State& s = *state_;
+  if (s.resolve_path() == TrainPath::dense) {
+    s.dense_forward(x, rows, w, y, stream);
+    return;
+  }
+  gate_to_twell(x, rows, weights, s.options.tile, s.options.compression, s.sparse.own_twell, stream);
+  s.sparse_forward_from_twell(x, rows, w, s.sparse.own_twell, &weights, y, stream);
+}
+
+void FfnTrainOp::forward(const bf16* x, int64_t rows, const DeviceFfnWeights& weights, const DeviceTwell& gate,
+                         bf16* y, cudaStream_t stream) {
+  const WeightView w = checked_view(weights);
+  TWELL_REQUIRE(rows >= 1, "rows must be positive, got {}", rows);
+  State& s = *state_;
+  if (s.resolve_path() == TrainPath::dense) {
+    s.dense_forward(x, rows, w, y, stream);
+    return;
+  }
+  s.sparse_forward_from_twell(x, rows, w, gate, /*repack_with=*/nullptr, y, stream);
+}
+
+void FfnTrainOp::forward(const bf16* x, int64_t rows, const DeviceFfnWeights& weights, const DeviceHybrid& gate,
+                         bf16* y, cudaStream_t stream) {
+  const WeightView w = checked_view(weights);
+  TWELL_REQUIRE(gate.shape().rows == rows && gate.shape().cols == weights.d_hidden,
+                "hybrid gate must be [M = {}, H = {}], got [{}, {}]", rows, weights.d_hidden, gate.shape().rows,
+                gate.shape().cols);
+  State& s = *state_;
+  const HybridCounters counters = s.read_counters(gate, stream);
+  TWELL_REQUIRE(counters.gate_incomplete == 0, "hybrid gate was converted from an incomplete TwELL packing");
+  TWELL_REQUIRE(counters.backup_used <= gate.backup_capacity(),
+                "hybrid gate is incomplete: {} backup rows used, capacity {}", counters.backup_used,
+                gate.backup_capacity());
+  s.sparse_forward(x, rows, w, gate, counters.backup_used, y, stream);
+}
+
+void FfnTrainOp::backward(const bf16* dy, const DeviceFfnGrads& grads, cudaStream_t stream) {
+  State& s = *state_;
+  TWELL_REQUIRE(s.x != nullptr, "backward() needs a forward() first");
+  TWELL_REQUIRE(dy && grads.dx && grads.d_gate && grads.d_up && grads.d_down,
+                "backward needs dy and all four gradient outputs, got a null pointer");
+  if (s.path == TrainPath::dense)
+    s.dense_backward(dy, grads, stream);
+  else
+    s.sparse_backward(dy, grads, stream);
+}
+
+FfnTrainStats FfnTrainOp::stats(cudaStream_t stream) const {
+  const State& s = *state_;
+  TWELL_REQUIRE(s.x != nullptr, "stats() needs a forward() first");
+  double values[2] = {};
+  s.stats.download(values, 2, stream);
+  FfnTrainStats out;
+  out.path = s.path;
+  out.l1 = values[0];
+  out.l0 = values[1];
+  if (s.path == TrainPath::sparse) {
+    out.ell_width = s.gate->shape().ell_width;
+    out.backup_rows = s.backup_rows;
+  }
+  return out;
+}
+
+int64_t FfnTrainOp::held_bytes() const {
+  const State& s = *state_;
+  return s.sparse.bytes() + s.dense.bytes() + s.gemm.workspace_bytes() +
+         static_cast<int64_t>(s.l1_row.bytes() + s.nnz_row.bytes() + s.stats.bytes());
+}
+
+}  // namespace twell::cuda

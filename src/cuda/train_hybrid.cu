@@ -1,0 +1,315 @@
+// The hybrid gate on the device: TwELL -> hybrid conversion, and the per-neuron lists (sparse
+// transpose) the weight gradients read.
+#include <algorithm>
+
+#include <cub/device/device_radix_sort.cuh>
+#include <cub/device/device_scan.cuh>
+
+#include "cuda/train_kernels.cuh"
+#include "twell/convert.h"
+#include "twell/error.h"
+
+namespace twell::cuda {
+namespace {
+
+constexpr int kWarp = 32;
+constexpr int kRowsPerBlock = 8;  // one warp per row
+
+__device__ __forceinline__ bool bf16_nonzero(uint16_t bits) { return (bits & 0x7fffu) != 0; }
+
+// Non-zeros of tile t of `row`; a spilled tile is counted from its dense segment. A slot holding a
+// bf16 zero (a gate that underflowed) is no non-zero, as in hybrid_from_twell. A spill row past
+// the capacity (an incomplete packing) counts 0 and raises the flag; the host then refuses the step.
+__device__ int32_t tile_count(const TwellView& gate, int64_t row, int32_t t, HybridCounters* counters) {
+  const int32_t code = gate.tile_nnz[gate.shape.tile_index(row, t)];
+  if (!twell_tile_spilled(code)) {
+    int32_t count = 0;
+    for (int32_t s = 0; s < code; ++s)
+      count += bf16_nonzero(twell_slot_value_bits(gate.slots[gate.shape.slot_index(row, t, s)])) ? 1 : 0;
+    return count;
+  }
+  const int32_t spill_row = twell_spill_row(code);
+  if (spill_row >= gate.spill_capacity) {
+    counters->gate_incomplete = 1;
+    return 0;
+  }
+  const uint16_t* segment = reinterpret_cast<const uint16_t*>(gate.spill) + static_cast<int64_t>(spill_row) * gate.shape.tile;
+  int32_t count = 0;
+  for (int32_t i = 0; i < gate.shape.tile; ++i) count += bf16_nonzero(segment[i]) ? 1 : 0;
+  return count;
+}
+
+__device__ __forceinline__ int32_t warp_inclusive_sum(int32_t value) {
+  const int lane = threadIdx.x % kWarp;
+  for (int offset = 1; offset < kWarp; offset *= 2) {
+    const int32_t other = __shfl_up_sync(0xffffffffu, value, offset);
+    if (lane >= offset) value += other;
+  }
+  return value;
+}
+
+// Pass 1: row_nnz[r] and the over-W flag (into overflow_flag, scanned next).
+__global__ void hybrid_row_counts_kernel(TwellView gate, int32_t ell_width, int32_t* row_nnz,
+                                         int32_t* overflow_flag, HybridCounters* counters) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  if (row >= gate.shape.rows) return;
+  int32_t count = 0;
+  for (int32_t t = lane; t < gate.shape.n_tiles(); t += kWarp) count += tile_count(gate, row, t, counters);
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) count += __shfl_xor_sync(0xffffffffu, count, offset);
+  if (lane == 0) {
+    row_nnz[row] = count;
+    overflow_flag[row] = count > ell_width ? 1 : 0;
+  }
+}
+
+// Writes the non-zeros of tile t (columns ascending) through `store(position, value_bits, column)`.
+template <typename Store>
+__device__ void for_each_tile_entry(const TwellView& gate, int64_t row, int32_t t, Store store) {
+  const int32_t code = gate.tile_nnz[gate.shape.tile_index(row, t)];
+  if (!twell_tile_spilled(code)) {
+    int32_t position = 0;
+    for (int32_t s = 0; s < code; ++s) {
+      const TwellSlot slot = gate.slots[gate.shape.slot_index(row, t, s)];
+      if (bf16_nonzero(twell_slot_value_bits(slot)))
+        store(position++, twell_slot_value_bits(slot), static_cast<int32_t>(twell_slot_column(slot)));
+    }
+    return;
+  }
+  const int32_t spill_row = twell_spill_row(code);
+  if (spill_row >= gate.spill_capacity) return;  // flagged in pass 1
+  const uint16_t* segment = reinterpret_cast<const uint16_t*>(gate.spill) + static_cast<int64_t>(spill_row) * gate.shape.tile;
+  int32_t position = 0;
+  for (int32_t i = 0; i < gate.shape.tile; ++i)
+    if (bf16_nonzero(segment[i])) store(position++, segment[i], t * gate.shape.tile + i);
+}
+
+// Pass 2: one warp per row writes its ELL block, or (row over W) its backup row.
+__global__ void hybrid_write_kernel(TwellView gate, int32_t ell_width, const int32_t* row_nnz,
+                                    const int32_t* overflow_rank, int32_t backup_capacity, uint16_t* ell_values,
+                                    int32_t* ell_cols, int32_t* backup_slot, uint16_t* backup, int32_t* backup_rows,
+                                    HybridCounters* counters) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  if (row >= gate.shape.rows) return;
+  const int32_t nnz = row_nnz[row];
+  const int32_t n_tiles = gate.shape.n_tiles();
+  const int32_t cols = gate.shape.cols;
+  uint16_t* row_values = ell_values + row * ell_width;
+  int32_t* row_cols = ell_cols + row * ell_width;
+  const bool in_backup = nnz > ell_width;
+  const int32_t slot = in_backup ? overflow_rank[row] : kHybridRowInEll;
+  if (lane == 0) {
+    backup_slot[row] = slot;
+    if (row == gate.shape.rows - 1) counters->backup_used = overflow_rank[row] + (in_backup ? 1 : 0);
+  }
+
+  if (!in_backup) {
+    int32_t base = 0;  // entries of the tiles before this chunk
+    for (int32_t t0 = 0; t0 < n_tiles; t0 += kWarp) {
+      const int32_t t = t0 + lane;
+      const int32_t count = t < n_tiles ? tile_count(gate, row, t, counters) : 0;
+      const int32_t inclusive = warp_inclusive_sum(count);
+      const int32_t offset = base + inclusive - count;
+      if (t < n_tiles)
+        for_each_tile_entry(gate, row, t, [&](int32_t position, uint16_t bits, int32_t column) {
+          row_values[offset + position] = bits;
+          row_cols[offset + position] = column;
+        });
+      base += __shfl_sync(0xffffffffu, inclusive, kWarp - 1);
+    }
+    for (int32_t k = nnz + lane; k < ell_width; k += kWarp) {
+      row_values[k] = 0;
+      row_cols[k] = 0;
+    }
+    return;
+  }
+
+  for (int32_t k = lane; k < ell_width; k += kWarp) {
+    row_values[k] = 0;
+    row_cols[k] = 0;
+  }
+  if (slot >= backup_capacity) return;  // reported through backup_used; the host grows and repeats
+  uint16_t* dense = backup + static_cast<int64_t>(slot) * cols;  // [H]
+  for (int32_t c = lane; c < cols; c += kWarp) dense[c] = 0;
+  if (lane == 0) backup_rows[slot] = static_cast<int32_t>(row);
+  __syncwarp();  // the zeros land before the values below, written by other lanes
+  for (int32_t t = lane; t < n_tiles; t += kWarp)
+    for_each_tile_entry(gate, row, t, [&](int32_t, uint16_t bits, int32_t column) {
+      if (column < cols) dense[column] = bits;
+    });
+}
+
+__global__ void neuron_list_keys_kernel(HybridView gate, int32_t* keys, int32_t* entries, int32_t* col_count) {
+  const int64_t count = gate.shape.ell_count();
+  const int32_t width = gate.shape.ell_width;
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < count;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = e / width;
+    const int32_t k = static_cast<int32_t>(e - row * width);
+    const int32_t nnz = gate.row_nnz[row];
+    const bool valid = nnz <= width && k < nnz;
+    const int32_t column = valid ? gate.ell_cols[e] : gate.shape.cols;
+    keys[e] = column;
+    entries[e] = static_cast<int32_t>(e);
+    if (valid) atomicAdd(&col_count[column], 1);
+  }
+}
+
+int bits_for(int32_t max_value) {
+  int bits = 1;
+  while ((int64_t{1} << bits) <= max_value) ++bits;
+  return bits;
+}
+
+}  // namespace
+
+DeviceHybrid::DeviceHybrid() : state_(std::make_unique<State>()) {}
+DeviceHybrid::~DeviceHybrid() = default;
+DeviceHybrid::DeviceHybrid(DeviceHybrid&&) noexcept = default;
+DeviceHybrid& DeviceHybrid::operator=(DeviceHybrid&&) noexcept = default;
+
+const HybridShape& DeviceHybrid::shape() const { return state_->shape; }
+int32_t DeviceHybrid::backup_capacity() const { return state_->backup_capacity; }
+
+int32_t DeviceHybrid::backup_used(cudaStream_t stream) const {
+  HybridCounters counters{};
+  state_->counters.download(&counters, 1, stream);
+  return counters.backup_used;
+}
+
+void DeviceHybrid::reserve(const HybridShape& shape, int32_t backup_capacity) {
+  TWELL_REQUIRE(shape.rows >= 1 && shape.cols >= 1, "hybrid shape must be at least 1x1, got {}x{}", shape.rows,
+                shape.cols);
+  TWELL_REQUIRE(shape.ell_width >= 1 && shape.ell_width <= shape.cols,
+                "ELL width must be in [1, H = {}], got {}", shape.cols, shape.ell_width);
+  TWELL_REQUIRE(shape.ell_count() < (int64_t{1} << 31), "M·W must be below 2^31 (int32 entry indices), got {}",
+                shape.ell_count());
+  TWELL_REQUIRE(backup_capacity >= 0, "backup capacity must be >= 0, got {}", backup_capacity);
+  State& s = *state_;
+  s.shape = shape;
+  s.backup_capacity = std::max(s.backup_capacity, backup_capacity);
+  s.ell_values.resize(shape.ell_count());
+  s.ell_cols.resize(shape.ell_count());
+  s.row_nnz.resize(shape.rows);
+  s.backup_slot.resize(shape.rows);
+  s.overflow_rank.resize(shape.rows);
+  s.backup.resize(std::max<int64_t>(1, int64_t{s.backup_capacity} * shape.cols));
+  s.backup_rows.resize(std::max(1, s.backup_capacity));
+  s.counters.resize(1);
+}
+
+void DeviceHybrid::upload(const HybridMatrix& host, cudaStream_t stream) {
+  validate(host);
+  reserve(host.shape, host.backup_used);
+  State& s = *state_;
+  s.ell_values.upload(host.ell_values.data(), host.ell_values.size(), stream);
+  s.ell_cols.upload(host.ell_cols.data(), host.ell_cols.size(), stream);
+  s.row_nnz.upload(host.row_nnz.data(), host.row_nnz.size(), stream);
+  s.backup_slot.upload(host.backup_slot.data(), host.backup_slot.size(), stream);
+  const size_t backup_elements = static_cast<size_t>(host.backup_used) * host.shape.cols;
+  if (backup_elements > 0) {
+    s.backup.upload(host.backup.data(), backup_elements, stream);
+    s.backup_rows.upload(host.backup_rows.data(), static_cast<size_t>(host.backup_used), stream);
+  }
+  const HybridCounters counters{host.backup_used, 0};
+  s.counters.upload(&counters, 1, stream);
+  TWELL_CUDA_CHECK(cudaStreamSynchronize(stream));  // the host arrays may go away after this call
+}
+
+HybridMatrix DeviceHybrid::download(cudaStream_t stream) const {
+  const State& s = *state_;
+  HybridCounters counters{};
+  s.counters.download(&counters, 1, stream);
+  TWELL_REQUIRE(counters.gate_incomplete == 0, "the TwELL gate was an incomplete packing (spill_used > capacity)");
+  TWELL_REQUIRE(counters.backup_used <= s.backup_capacity,
+                "the hybrid backup overflowed: {} rows over the ELL width, capacity {}", counters.backup_used,
+                s.backup_capacity);
+  HybridMatrix host;
+  host.shape = s.shape;
+  host.backup_used = counters.backup_used;
+  host.ell_values.resize(s.shape.ell_count());
+  host.ell_cols.resize(s.shape.ell_count());
+  host.row_nnz.resize(s.shape.rows);
+  host.backup_slot.resize(s.shape.rows);
+  host.backup.resize(static_cast<size_t>(counters.backup_used) * s.shape.cols);
+  host.backup_rows.resize(counters.backup_used);
+  s.ell_values.download(host.ell_values.data(), host.ell_values.size(), stream);
+  s.ell_cols.download(host.ell_cols.data(), host.ell_cols.size(), stream);
+  s.row_nnz.download(host.row_nnz.data(), host.row_nnz.size(), stream);
+  s.backup_slot.download(host.backup_slot.data(), host.backup_slot.size(), stream);
+  if (counters.backup_used > 0) {
+    s.backup.download(host.backup.data(), host.backup.size(), stream);
+    s.backup_rows.download(host.backup_rows.data(), host.backup_rows.size(), stream);
+  }
+  return host;
+}
+
+HybridView view_of(const DeviceHybrid& hybrid) {
+  const DeviceHybrid::State& s = hybrid.state();
+  return HybridView{s.shape, s.ell_values.data(), s.ell_cols.data(), s.row_nnz.data(), s.backup.data(),
+                    s.backup_rows.data()};
+}
+
+void twell_to_hybrid(const DeviceTwell& packed, int32_t ell_width, DeviceHybrid& out, cudaStream_t stream) {
+  const TwellView gate{packed.shape, packed.slots.get(), packed.tile_nnz.get(), packed.spill.get(),
+                       packed.spill_capacity};
+  TWELL_REQUIRE(gate.shape.rows >= 1, "TwELL gate must have at least one row, got {}", gate.shape.rows);
+  TWELL_REQUIRE(twell_tile_supported(gate.shape.tile) && twell_compression_supported(gate.shape.compression),
+                "TwELL gate tile/compression unsupported: T={} C={}", gate.shape.tile, gate.shape.compression);
+  TWELL_REQUIRE(gate.slots && gate.tile_nnz, "TwELL gate has no device arrays (empty DeviceTwell)");
+  out.reserve(HybridShape{gate.shape.rows, gate.shape.cols, ell_width}, out.backup_capacity());
+  DeviceHybrid::State& s = out.state();
+  const int64_t rows = gate.shape.rows;
+  TWELL_CUDA_CHECK(cudaMemsetAsync(s.counters.data(), 0, sizeof(HybridCounters), stream));
+  const unsigned blocks = static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock);
+  // backup_slot holds the over-W flags until pass 2 overwrites it with the slots.
+  hybrid_row_counts_kernel<<<blocks, kRowsPerBlock * kWarp, 0, stream>>>(gate, ell_width, s.row_nnz.data(),
+                                                                        s.backup_slot.data(), s.counters.data());
+  TWELL_CUDA_CHECK_LAUNCH();
+  size_t scratch_bytes = 0;
+  TWELL_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(nullptr, scratch_bytes, s.backup_slot.data(), s.overflow_rank.data(),
+                                                 static_cast<int>(rows), stream));
+  s.scan_scratch.resize(scratch_bytes);
+  TWELL_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(s.scan_scratch.data(), scratch_bytes, s.backup_slot.data(),
+                                                 s.overflow_rank.data(), static_cast<int>(rows), stream));
+  hybrid_write_kernel<<<blocks, kRowsPerBlock * kWarp, 0, stream>>>(
+      gate, ell_width, s.row_nnz.data(), s.overflow_rank.data(), s.backup_capacity,
+      reinterpret_cast<uint16_t*>(s.ell_values.data()), s.ell_cols.data(), s.backup_slot.data(),
+      reinterpret_cast<uint16_t*>(s.backup.data()), s.backup_rows.data(), s.counters.data());
+  TWELL_CUDA_CHECK_LAUNCH();
+}
+
+void build_neuron_lists(const HybridView& gate, NeuronLists& lists, cudaStream_t stream) {
+  const int64_t count = gate.shape.ell_count();
+  const int32_t cols = gate.shape.cols;
+  for (int i = 0; i < 2; ++i) {
+    lists.keys[i].resize(count);
+    lists.entries[i].resize(count);
+  }
+  lists.col_count.resize(cols + 1);
+  lists.col_start.resize(cols + 1);
+  TWELL_CUDA_CHECK(cudaMemsetAsync(lists.col_count.data(), 0, sizeof(int32_t) * (cols + 1), stream));
+  const int threads = 256;
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((count + threads - 1) / threads, 65535 * 8));
+  neuron_list_keys_kernel<<<blocks, threads, 0, stream>>>(gate, lists.keys[0].data(), lists.entries[0].data(),
+                                                          lists.col_count.data());
+  TWELL_CUDA_CHECK_LAUNCH();
+
+  cub::DoubleBuffer<int32_t> keys(lists.keys[0].data(), lists.keys[1].data());
+  cub::DoubleBuffer<int32_t> entries(lists.entries[0].data(), lists.entries[1].data());
+  size_t sort_bytes = 0, scan_bytes = 0;
+  const int end_bit = bits_for(cols);  // keys are in [0, H]
+  TWELL_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, keys, entries, static_cast<int>(count), 0,
+                                                   end_bit, stream));
+  TWELL_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(nullptr, scan_bytes, lists.col_count.data(),
+                                                 lists.col_start.data(), cols + 1, stream));
+  lists.sort_scratch.resize(std::max(sort_bytes, scan_bytes));
+  TWELL_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(lists.sort_scratch.data(), sort_bytes, keys, entries,
+                                                   static_cast<int>(count), 0, end_bit, stream));
+  TWELL_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(lists.sort_scratch.data(), scan_bytes, lists.col_count.data(),
+                                                 lists.col_start.data(), cols + 1, stream));
+  lists.sorted_entries = entries.Current();
+}
+
+}  // namespace twell::cuda

@@ -1,0 +1,124 @@
+// Kernels of the sparse training FFN (include/twell/train.h), launched by src/cuda/train_ffn.cu.
+// Every launcher is asynchronous on `stream`; none synchronises.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "cuda/cuda_utils.h"
+#include "twell/train.h"
+
+namespace twell::cuda {
+
+// Counters a conversion leaves on the device, read back at the step's one synchronisation.
+struct HybridCounters {
+  int32_t backup_used;       // rows with more than W non-zeros (may exceed the capacity)
+  int32_t gate_incomplete;   // 1 when the TwELL input referenced a spill row past its capacity
+};
+
+// Raw device view of a DeviceTwell (cuda.h) that kernels take by value.
+struct TwellView {
+  TwellShape shape;
+  const TwellSlot* slots;    // [M, n_tiles, S]
+  const int32_t* tile_nnz;   // [M, n_tiles]
+  const bf16* spill;         // [spill_capacity, T]
+  int64_t spill_capacity;
+};
+
+struct DeviceHybrid::State {
+  HybridShape shape;
+  int32_t backup_capacity = 0;
+  DeviceBuffer<bf16> ell_values;       // [M, W]
+  DeviceBuffer<int32_t> ell_cols;      // [M, W]
+  DeviceBuffer<int32_t> row_nnz;       // [M]
+  DeviceBuffer<int32_t> backup_slot;   // [M]
+  DeviceBuffer<bf16> backup;           // [capacity, H]
+  DeviceBuffer<int32_t> backup_rows;   // [capacity]
+  DeviceBuffer<HybridCounters> counters;  // [1]
+  DeviceBuffer<int32_t> overflow_rank;    // [M] scan of the over-W flags (conversion scratch)
+  DeviceBuffer<uint8_t> scan_scratch;     // CUB temporary storage
+
+  int64_t bytes() const {
+    return static_cast<int64_t>(ell_values.bytes() + ell_cols.bytes() + row_nnz.bytes() + backup_slot.bytes() +
+                                backup.bytes() + backup_rows.bytes() + counters.bytes() + overflow_rank.bytes() +
+                                scan_scratch.bytes());
+  }
+};
+
+// Read-only view of a hybrid gate for the product kernels.
+struct HybridView {
+  HybridShape shape;
+  const bf16* ell_values;    // [M, W]
+  const int32_t* ell_cols;   // [M, W]
+  const int32_t* row_nnz;    // [M]
+  const bf16* backup;        // [capacity, H]
+  const int32_t* backup_rows;  // [capacity]
+};
+HybridView view_of(const DeviceHybrid& hybrid);
+
+// Per-neuron list of the ELL entries (rows over W excluded), built on the device: the sparse
+// transpose the weight gradients read. Entries of neuron j are entry[col_start[j] .. col_start[j+1])
+// in ascending row order (a stable radix sort), each an ELL index r·W + k.
+struct NeuronLists {
+  DeviceBuffer<int32_t> keys[2];     // [M·W] column (H for padding), double buffer
+  DeviceBuffer<int32_t> entries[2];  // [M·W] ELL index, double buffer
+  DeviceBuffer<int32_t> col_count;   // [H + 1]
+  DeviceBuffer<int32_t> col_start;   // [H + 1]
+  DeviceBuffer<uint8_t> sort_scratch;
+  const int32_t* sorted_entries = nullptr;  // points into entries[0] or entries[1]
+
+  int64_t bytes() const {
+    return static_cast<int64_t>(keys[0].bytes() + keys[1].bytes() + entries[0].bytes() + entries[1].bytes() +
+                                col_count.bytes() + col_start.bytes() + sort_scratch.bytes());
+  }
+};
+void build_neuron_lists(const HybridView& gate, NeuronLists& lists, cudaStream_t stream);
+
+// ---- Sparse products (one launch each) ----
+
+// Forward, ELL rows: u = x·Wu^T at g's pattern, h = g·u (fp32, [M, W]); l1_row[r] = Σ_k |h[r, k]|.
+void sampled_up_projection(const HybridView& gate, const bf16* x, const bf16* w_up, int32_t d_model, float* u_ell,
+                           float* h_ell, float* l1_row, cudaStream_t stream);
+// Backward, ELL rows: dh = dy·Wd^T at h's pattern + l1_scale·sign(h); dg = dh·u, du = dh·g ([M, W]).
+void sampled_hidden_grad(const HybridView& gate, const bf16* dy, const bf16* w_down, int32_t d_model,
+                         const float* u_ell, const float* h_ell, float l1_scale, float* dg_ell, float* du_ell,
+                         cudaStream_t stream);
+// out[r, :] = Σ_k a[r, k]·Wa[col, :] (+ Σ_k b[r, k]·Wb[col, :] when b != nullptr), bf16 [M, D],
+// for the ELL rows only (rows over W are written by the backup path).
+void ell_rows_times_weights(const HybridView& gate, const float* a_ell, const bf16* w_a, const float* b_ell,
+                            const bf16* w_b, int32_t d_model, bf16* out, cudaStream_t stream);
+// out_a[j, :] = Σ_{(r,k) in list j} a[r, k]·rows[r, :] (and out_b with b), fp32 [H, D], every row written.
+void neuron_weight_grads(const NeuronLists& lists, const HybridShape& shape, const float* a_ell, const float* b_ell,
+                         const bf16* rows, int32_t d_model, float* out_a, float* out_b, cudaStream_t stream);
+
+// ---- Backup rows and the dense path ----
+
+// dense[b, :] = src[rows[b], :] for b < count; bf16 [count, D].
+void gather_rows(const bf16* src, const int32_t* rows, int32_t count, int32_t d_model, bf16* dense,
+                 cudaStream_t stream);
+// dst[rows[b], :] = bf16(src[b, :]).
+void scatter_rows(const float* src, const int32_t* rows, int32_t count, int32_t d_model, bf16* dst,
+                  cudaStream_t stream);
+void scatter_rows(const bf16* src, const int32_t* rows, int32_t count, int32_t d_model, bf16* dst,
+                  cudaStream_t stream);
+
+// h = g·u where g != 0 (bf16 [count, H]); l1_row[row_of[b]] = Σ|h| (fp32 product). g is relu'd.
+// `g` and `u` have leading dimension H; u is fp32 for the backup, bf16 on the dense path.
+void gated_product_rows(const bf16* g, const float* u, int32_t count, int32_t d_hidden, const int32_t* row_of,
+                        bf16* h, float* l1_row, cudaStream_t stream);
+// Dense path: g_pre is the pre-activation; also counts nnz_row[r] = #{g_pre > 0}.
+void gated_product_rows(const bf16* g_pre, const bf16* u, int64_t rows, int32_t d_hidden, bf16* h, float* l1_row,
+                        int32_t* nnz_row, cudaStream_t stream);
+// Where g != 0: d = dh + l1_scale·sign(g·u); dg = d·u, du = d·g; elsewhere both 0.  bf16 [count, H].
+void gated_product_grad_rows(const bf16* g, const float* u, const float* dh, int64_t count, int32_t d_hidden,
+                             float l1_scale, bf16* dg, bf16* du, cudaStream_t stream);
+// Dense path, in place: dg over u, du over dh.
+void gated_product_grad_rows_in_place(const bf16* g_pre, bf16* u_then_dg, bf16* dh_then_du, int64_t rows,
+                                      int32_t d_hidden, float l1_scale, cudaStream_t stream);
+
+// stats[0] = l1_scale·Σ l1_row, stats[1] = Σ nnz_row / M (one block, fixed order: deterministic).
+void finish_step_stats(const float* l1_row, const int32_t* nnz_row, int64_t rows, double l1_scale, double* stats,
+                       cudaStream_t stream);
+
+}  // namespace twell::cuda

@@ -1,0 +1,341 @@
+// The CUDA training FFN (include/twell/train.h): its ops in the op-test harness (backend
+// "cuda_train"), and tests of the whole op against the float64 reference: TwELL -> hybrid
+// conversion (exact), the sparse path with rows far over the ELL width and a backup that must grow,
+// the dense path, and the op fed by the CUDA gate kernel. Skipped without a GPU.
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "op_harness.h"
+#include "twell/convert.h"
+#include "twell/cuda.h"
+#include "twell/error.h"
+#include "twell/reference.h"
+#include "twell/train.h"
+#include "twell/workload.h"
+
+namespace {
+
+using namespace twell;
+
+// Any D that is a multiple of 8 (cuda::upload_weights asks for 64, which the gate kernel needs).
+cuda::DeviceFfnWeights upload_training_weights(const FfnWeights& w) {
+  cuda::DeviceFfnWeights device;
+  device.d_model = w.d_model;
+  device.d_hidden = w.d_hidden;
+  device.gated = w.gated;
+  if (w.gated) device.gate = cuda::upload_bf16(w.gate.data(), w.gate.size());
+  device.up = cuda::upload_bf16(w.up.data(), w.up.size());
+  device.down = cuda::upload_bf16(w.down.data(), w.down.size());
+  return device;
+}
+
+std::vector<float> download_floats(const float* device, size_t count) {
+  std::vector<float> host(count);
+  cuda::copy_to_host(host.data(), device, count * sizeof(float));
+  return host;
+}
+
+// Gradient buffers on the device, poisoned with NaN (all-ones bytes) so an unwritten element shows.
+struct DeviceGrads {
+  cuda::DeviceArray<bf16> dx;
+  cuda::DeviceArray<float> d_gate, d_up, d_down;
+  int64_t rows, d_model, d_hidden;
+
+  DeviceGrads(int64_t m, int32_t d, int32_t h)
+      : dx(cuda::make_device_array<bf16>(m * d)),
+        d_gate(cuda::make_device_array<float>(int64_t{h} * d)),
+        d_up(cuda::make_device_array<float>(int64_t{h} * d)),
+        d_down(cuda::make_device_array<float>(int64_t{h} * d)),
+        rows(m),
+        d_model(d),
+        d_hidden(h) {
+    EXPECT_EQ(cudaMemset(dx.get(), 0xff, m * d * sizeof(bf16)), cudaSuccess);
+    for (float* p : {d_gate.get(), d_up.get(), d_down.get()})
+      EXPECT_EQ(cudaMemset(p, 0xff, int64_t{h} * d * sizeof(float)), cudaSuccess);
+  }
+  cuda::DeviceFfnGrads view() { return {dx.get(), d_gate.get(), d_up.get(), d_down.get()}; }
+  void download(const test::GradOutputs& out) const {
+    const std::vector<float> dx_host = cuda::download_bf16(dx.get(), rows * d_model);
+    std::memcpy(out.dx, dx_host.data(), dx_host.size() * sizeof(float));
+    const size_t weights = d_hidden * d_model;
+    cuda::copy_to_host(out.d_gate, d_gate.get(), weights * sizeof(float));
+    cuda::copy_to_host(out.d_up, d_up.get(), weights * sizeof(float));
+    cuda::copy_to_host(out.d_down, d_down.get(), weights * sizeof(float));
+  }
+};
+
+cuda::DeviceArray<bf16> poisoned_bf16(size_t count) {
+  cuda::DeviceArray<bf16> buffer = cuda::make_device_array<bf16>(count);
+  EXPECT_EQ(cudaMemset(buffer.get(), 0xff, count * sizeof(bf16)), cudaSuccess);
+  return buffer;
+}
+
+// TwELL -> hybrid on the device, growing the backup until nothing overflows (the harness contract).
+HybridMatrix device_twell_to_hybrid(const TwellMatrix& gate, int32_t ell_width, int32_t first_capacity) {
+  cuda::DeviceTwell packed;
+  cuda::upload(gate, packed);
+  cuda::DeviceHybrid hybrid;
+  hybrid.reserve(HybridShape{gate.shape.rows, gate.shape.cols, ell_width}, first_capacity);
+  for (;;) {
+    cuda::twell_to_hybrid(packed, ell_width, hybrid, nullptr);
+    const int32_t used = hybrid.backup_used(nullptr);
+    if (used <= hybrid.backup_capacity()) return hybrid.download(nullptr);
+    hybrid.reserve(hybrid.shape(), used);
+  }
+}
+
+// Forward (and backward when `grads` is given) of the sparse path from a host hybrid gate.
+void run_from_hybrid(const float* x, const HybridMatrix& gate, const FfnWeights& weights, double l1_coeff,
+                     float* y, double* l1, double* l0, const float* dy, const test::GradOutputs* grads) {
+  const int64_t rows = gate.shape.rows;
+  const int32_t d = weights.d_model;
+  const cuda::DeviceFfnWeights device_weights = upload_training_weights(weights);
+  const cuda::DeviceArray<bf16> x_device = cuda::upload_bf16(x, rows * d);
+  cuda::DeviceHybrid device_gate;
+  device_gate.upload(gate, nullptr);
+  cuda::FfnTrainOp op({.l1_coeff = l1_coeff, .path = cuda::TrainPath::sparse});
+  cuda::DeviceArray<bf16> y_device = poisoned_bf16(rows * d);
+  op.forward(x_device.get(), rows, device_weights, device_gate, y_device.get(), nullptr);
+  if (y) {
+    const std::vector<float> y_host = cuda::download_bf16(y_device.get(), rows * d);
+    std::memcpy(y, y_host.data(), y_host.size() * sizeof(float));
+    const cuda::FfnTrainStats stats = op.stats(nullptr);
+    *l1 = stats.l1;
+    *l0 = stats.l0;
+  }
+  if (grads) {
+    const cuda::DeviceArray<bf16> dy_device = cuda::upload_bf16(dy, rows * d);
+    DeviceGrads device_grads(rows, d, weights.d_hidden);
+    op.backward(dy_device.get(), device_grads.view(), nullptr);
+    device_grads.download(*grads);
+  }
+}
+
+const bool registered = test::register_backend({
+    .name = "cuda_train",
+    .skip_reason = [] { return cuda::available() ? std::string() : std::string("no CUDA device"); },
+    // The ELL path keeps h in fp32; backup rows feed h to cuBLASLt in bf16. y and dx are bf16.
+    .precision = {.hidden_bf16 = true, .output_bf16 = true},
+    .twell_to_hybrid = [](const TwellMatrix& gate, int32_t ell_width,
+                          HybridMatrix& out) { out = device_twell_to_hybrid(gate, ell_width, 1); },
+    .hybrid_forward =
+        [](const float* x, const HybridMatrix& gate, const FfnWeights& weights, double l1_coeff, float* y,
+           double& l1, double& l0) { run_from_hybrid(x, gate, weights, l1_coeff, y, &l1, &l0, nullptr, nullptr); },
+    .hybrid_backward =
+        [](const float* x, const HybridMatrix& gate, const FfnWeights& weights, const float* dy, double l1_coeff,
+           const test::GradOutputs& grads) {
+          run_from_hybrid(x, gate, weights, l1_coeff, nullptr, nullptr, nullptr, dy, &grads);
+        },
+});
+
+// ---- Whole-op tests ----
+
+struct TrainCase {
+  int64_t rows;
+  int32_t d_model;
+  int32_t d_hidden;
+  double density;
+  int32_t ell_width;  // 0 = the op's automatic choice
+  double l1_coeff;
+  int32_t hot_neurons = 0;
+  int32_t compression = 4;
+};
+
+std::string case_name(const testing::TestParamInfo<TrainCase>& info) {
+  const TrainCase& c = info.param;
+  return "M" + std::to_string(c.rows) + "_D" + std::to_string(c.d_model) + "_H" + std::to_string(c.d_hidden) +
+         "_d" + std::to_string(static_cast<int>(c.density * 1000)) + "permille_W" + std::to_string(c.ell_width) +
+         "_hot" + std::to_string(c.hot_neurons) + "_C" + std::to_string(c.compression);
+}
+
+// Fresh N(0, 1) values rounded to bf16 (the upstream gradient).
+std::vector<float> random_bf16_values(size_t count, uint64_t seed) {
+  std::mt19937_64 engine(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> values(count);
+  for (float& v : values) v = round_to_bf16(normal(engine));
+  return values;
+}
+
+struct Reference {
+  ref::HybridForward forward;
+  ref::FfnGrads grads;
+};
+
+Reference reference_for(const Workload& w, const HybridMatrix& gate, const std::vector<float>& dy, double l1) {
+  return {ref::hybrid_ffn_forward(w.x.data(), gate, w.weights, l1),
+          ref::hybrid_ffn_backward(w.x.data(), gate, w.weights, dy.data(), l1)};
+}
+
+// y, dx (bf16 outputs) and the fp32 weight gradients against float64; bf16 operands and
+// intermediates put the naive bf16 computation near 4e-3 relative L2 (docs/perf-notes.md).
+void expect_matches(const Reference& ref, const std::vector<float>& y, const std::vector<float>& dx,
+                    const std::vector<float>& d_gate, const std::vector<float>& d_up, const std::vector<float>& d_down,
+                    const cuda::FfnTrainStats& stats, double tolerance) {
+  EXPECT_TRUE(test::near_relative_l2("y", y.data(), ref.forward.y.data(), y.size(), tolerance));
+  EXPECT_TRUE(test::near_relative_l2("dx", dx.data(), ref.grads.dx.data(), dx.size(), tolerance));
+  EXPECT_TRUE(test::near_relative_l2("d_gate", d_gate.data(), ref.grads.d_gate.data(), d_gate.size(), tolerance));
+  EXPECT_TRUE(test::near_relative_l2("d_up", d_up.data(), ref.grads.d_up.data(), d_up.size(), tolerance));
+  EXPECT_TRUE(test::near_relative_l2("d_down", d_down.data(), ref.grads.d_down.data(), d_down.size(), tolerance));
+  EXPECT_NEAR(stats.l1, ref.forward.l1, tolerance * std::abs(ref.forward.l1) + 1e-12);
+  EXPECT_NEAR(stats.l0, ref.forward.l0, 1e-9 * (1 + ref.forward.l0));
+}
+
+class CudaTrainTest : public testing::TestWithParam<TrainCase> {
+ protected:
+  void SetUp() override {
+    if (!cuda::available()) GTEST_SKIP() << "no CUDA device";
+  }
+
+  Workload workload() const {
+    const TrainCase& c = GetParam();
+    return make_workload({.rows = c.rows, .d_model = c.d_model, .d_hidden = c.d_hidden, .density = c.density,
+                          .hot_neurons = c.hot_neurons, .seed = static_cast<uint64_t>(c.rows * 31 + c.d_hidden)});
+  }
+
+  // One training step of `op` on the device; returns everything in host floats.
+  struct StepResult {
+    std::vector<float> y, dx, d_gate, d_up, d_down;
+    cuda::FfnTrainStats stats;
+  };
+  static StepResult step(cuda::FfnTrainOp& op, const Workload& w, const std::vector<float>& dy,
+                         const cuda::DeviceTwell* gate) {
+    const int64_t m = w.spec.rows;
+    const int32_t d = w.spec.d_model, h = w.spec.d_hidden;
+    const cuda::DeviceFfnWeights weights = upload_training_weights(w.weights);
+    const cuda::DeviceArray<bf16> x = cuda::upload_bf16(w.x.data(), w.x.size());
+    const cuda::DeviceArray<bf16> dy_device = cuda::upload_bf16(dy.data(), dy.size());
+    cuda::DeviceArray<bf16> y = poisoned_bf16(m * d);
+    DeviceGrads grads(m, d, h);
+    if (gate)
+      op.forward(x.get(), m, weights, *gate, y.get(), nullptr);
+    else
+      op.forward(x.get(), m, weights, y.get(), nullptr);
+    op.backward(dy_device.get(), grads.view(), nullptr);
+    StepResult r;
+    r.stats = op.stats(nullptr);
+    r.y = cuda::download_bf16(y.get(), m * d);
+    r.dx = cuda::download_bf16(grads.dx.get(), m * d);
+    r.d_gate = download_floats(grads.d_gate.get(), int64_t{h} * d);
+    r.d_up = download_floats(grads.d_up.get(), int64_t{h} * d);
+    r.d_down = download_floats(grads.d_down.get(), int64_t{h} * d);
+    return r;
+  }
+};
+
+constexpr double kTolerance = 1e-2;        // sparse path: fp32 h, bf16 outputs
+constexpr double kDenseTolerance = 2e-2;   // dense path: every [M, H] intermediate is bf16
+
+TEST_P(CudaTrainTest, TwellToHybridIsExact) {
+  const TrainCase& c = GetParam();
+  const Workload w = workload();
+  const TwellMatrix gate = ref::gate_to_twell(w.x.data(), c.rows, w.weights, 128, c.compression);
+  const int32_t width = c.ell_width > 0 ? c.ell_width : 16;
+  const HybridMatrix expected = hybrid_from_twell(gate, width);
+  const HybridMatrix got = device_twell_to_hybrid(gate, width, 1);
+  EXPECT_EQ(got.backup_used, expected.backup_used);
+  EXPECT_EQ(got.row_nnz, expected.row_nnz);
+  EXPECT_EQ(got.backup_slot, expected.backup_slot);
+  EXPECT_EQ(got.backup_rows, expected.backup_rows);
+  EXPECT_EQ(got.ell_cols, expected.ell_cols);
+  ASSERT_EQ(got.ell_values.size(), expected.ell_values.size());
+  for (size_t i = 0; i < got.ell_values.size(); ++i)
+    ASSERT_EQ(got.ell_values[i].bits, expected.ell_values[i].bits) << "ELL value " << i;
+  ASSERT_EQ(got.backup.size(), expected.backup.size());
+  for (size_t i = 0; i < got.backup.size(); ++i)
+    ASSERT_EQ(got.backup[i].bits, expected.backup[i].bits) << "backup value " << i;
+}
+
+TEST_P(CudaTrainTest, SparsePathMatchesReference) {
+  const TrainCase& c = GetParam();
+  const Workload w = workload();
+  const TwellMatrix gate = ref::gate_to_twell(w.x.data(), c.rows, w.weights, 128, c.compression);
+  const std::vector<float> dy = random_bf16_values(w.x.size(), 7 + c.rows);
+  cuda::DeviceTwell packed;
+  cuda::upload(gate, packed);
+  cuda::FfnTrainOp op({.l1_coeff = c.l1_coeff, .path = cuda::TrainPath::sparse, .ell_width = c.ell_width});
+  const StepResult r = step(op, w, dy, &packed);
+  ASSERT_EQ(r.stats.path, cuda::TrainPath::sparse);
+  const HybridMatrix hybrid = hybrid_from_twell(gate, r.stats.ell_width);
+  EXPECT_EQ(r.stats.backup_rows, hybrid.backup_used);
+  expect_matches(reference_for(w, hybrid, dy, c.l1_coeff), r.y, r.dx, r.d_gate, r.d_up, r.d_down, r.stats,
+                 kTolerance);
+}
+
+TEST_P(CudaTrainTest, DensePathMatchesReference) {
+  const TrainCase& c = GetParam();
+  const Workload w = workload();
+  const TwellMatrix gate = ref::gate_to_twell(w.x.data(), c.rows, w.weights, 128, c.compression);
+  const std::vector<float> dy = random_bf16_values(w.x.size(), 11 + c.rows);
+  cuda::FfnTrainOp op({.l1_coeff = c.l1_coeff, .path = cuda::TrainPath::dense});
+  const StepResult r = step(op, w, dy, nullptr);
+  ASSERT_EQ(r.stats.path, cuda::TrainPath::dense);
+  expect_matches(reference_for(w, hybrid_from_twell(gate, 1), dy, c.l1_coeff), r.y, r.dx, r.d_gate, r.d_up,
+                 r.d_down, r.stats, kDenseTolerance);
+}
+
+// Corners: one row; nothing active; everything active (every row far over W, every tile spilled);
+// half active with W = 8 (most rows in a backup far larger than its first capacity); skew; the
+// automatic width; odd H; D not a multiple of 64.
+INSTANTIATE_TEST_SUITE_P(Cases, CudaTrainTest,
+                         testing::Values(TrainCase{1, 64, 128, 0.02, 16, 0.01},
+                                         TrainCase{3, 64, 1000, 0.0, 1, 0.3},
+                                         TrainCase{17, 64, 1500, 1.0, 128, 0.01, 0, 8},
+                                         TrainCase{300, 96, 1000, 0.5, 8, 0.3, 0, 2},
+                                         TrainCase{300, 512, 1000, 0.005, 32, 0.01, 3},
+                                         TrainCase{257, 200, 4097, 0.02, 0, 0.0},
+                                         TrainCase{128, 2048, 5632, 0.005, 0, 0.01},
+                                         TrainCase{64, 1024, 2048, 0.1, 24, 0.3, 5}),
+                         case_name);
+
+// The op as a trainer calls it: gate packed by the CUDA gate kernel, automatic dispatch, several
+// steps (the dispatch and the ELL width follow the measured density).
+TEST(CudaTrainOp, GateKernelAndAutomaticDispatch) {
+  if (!cuda::available()) GTEST_SKIP() << "no CUDA device";
+  for (double density : {0.005, 0.3}) {
+    const Workload w = make_workload({.rows = 200, .d_model = 256, .d_hidden = 1024, .density = density, .seed = 5});
+    const std::vector<float> dy = random_bf16_values(w.x.size(), 3);
+    const cuda::DeviceFfnWeights weights = cuda::upload_weights(w.weights);
+    const cuda::DeviceArray<bf16> x = cuda::upload_bf16(w.x.data(), w.x.size());
+    const cuda::DeviceArray<bf16> dy_device = cuda::upload_bf16(dy.data(), dy.size());
+    cuda::FfnTrainOp op({.l1_coeff = 0.01, .expected_density = 0.01, .dense_above_density = 0.1});
+    for (int step = 0; step < 3; ++step) {
+      cuda::DeviceArray<bf16> y = poisoned_bf16(w.x.size());
+      DeviceGrads grads(200, 256, 1024);
+      op.forward(x.get(), 200, weights, y.get(), nullptr);
+      op.backward(dy_device.get(), grads.view(), nullptr);
+      const cuda::FfnTrainStats stats = op.stats(nullptr);
+      // The first step trusts expected_density (sparse); later ones the measured density.
+      const bool dense_expected = step > 0 && density > 0.1;
+      EXPECT_EQ(stats.path, dense_expected ? cuda::TrainPath::dense : cuda::TrainPath::sparse) << "step " << step;
+      // Against the reference on the reference's own gate pattern (the kernel's fp32 gate can
+      // differ only where the gate is within rounding of 0, which moves the results negligibly).
+      const TwellMatrix gate = ref::gate_to_twell(w.x.data(), 200, w.weights, 128, 4);
+      const Reference ref = reference_for(w, hybrid_from_twell(gate, 1), dy, 0.01);
+      const std::vector<float> y_host = cuda::download_bf16(y.get(), w.x.size());
+      const std::vector<float> dx = cuda::download_bf16(grads.dx.get(), w.x.size());
+      expect_matches(ref, y_host, dx, download_floats(grads.d_gate.get(), 1024 * 256),
+                     download_floats(grads.d_up.get(), 1024 * 256), download_floats(grads.d_down.get(), 1024 * 256),
+                     stats, kDenseTolerance);
+    }
+  }
+}
+
+TEST(CudaTrainOp, RefusesBadInput) {
+  if (!cuda::available()) GTEST_SKIP() << "no CUDA device";
+  const Workload w = make_workload({.rows = 4, .d_model = 64, .d_hidden = 128, .density = 0.1, .gated = false});
+  const cuda::DeviceFfnWeights weights = upload_training_weights(w.weights);
+  const cuda::DeviceArray<bf16> x = cuda::upload_bf16(w.x.data(), w.x.size());
+  cuda::DeviceArray<bf16> y = poisoned_bf16(w.x.size());
+  cuda::FfnTrainOp op;
+  EXPECT_THROW(op.forward(x.get(), 4, weights, y.get(), nullptr), Error);  // non-gated weights
+  DeviceGrads grads(4, 64, 128);
+  EXPECT_THROW(op.backward(x.get(), grads.view(), nullptr), Error);  // no forward yet
+  EXPECT_THROW(cuda::FfnTrainOp({.l1_coeff = -1}), Error);
+}
+
+}  // namespace
