@@ -86,7 +86,8 @@ TEST_P(GoldenModel, DenseMatchesTransformers) {
   EXPECT_EQ(greedy_continuation(model, golden.prompt, static_cast<int32_t>(golden.greedy.size())), golden.greedy);
 }
 
-INSTANTIATE_TEST_SUITE_P(Fixtures, GoldenModel, ::testing::Values("llama", "qwen2", "sparselm", "prosparse"));
+INSTANTIATE_TEST_SUITE_P(Fixtures, GoldenModel, ::testing::Values("llama", "qwen2", "sparselm", "prosparse"),
+                         [](const auto& info) { return info.param; });
 
 TEST(GoldenModel, ConfigsParseAsIntended) {
   EXPECT_EQ(load_model_config(model_dir("llama") + "/config.json").n_kv_heads, 2);
