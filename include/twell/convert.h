@@ -19,9 +19,14 @@ std::vector<bf16> dense_from_twell(const TwellMatrix& packed);
 // Checks every invariant of docs/formats.md (sizes, counts, column order, spill rows); throws on the first violation.
 void validate(const TwellMatrix& packed);
 
+// Packs a dense bf16 matrix [M, H] into hybrid with ELL width W (1 <= W <= H): a row with more than
+// W non-zeros goes to the backup, which grows to hold every such row (backup_used == capacity).
 HybridMatrix hybrid_from_dense(const bf16* dense, int64_t rows, int32_t cols, int32_t ell_width);
+// The same rows from a TwELL packing (which it validates first).
 HybridMatrix hybrid_from_twell(const TwellMatrix& packed, int32_t ell_width);
+// Unpacks to dense bf16 [M, H]; refuses an invalid or incomplete hybrid.
 std::vector<bf16> dense_from_hybrid(const HybridMatrix& hybrid);
+// Checks every invariant of docs/formats.md; throws on the first violation.
 void validate(const HybridMatrix& hybrid);
 
 // Sign bits of A [R, K] (fp32 storage); refuses NaN.
