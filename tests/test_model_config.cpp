@@ -108,7 +108,7 @@ TEST(ModelConfig, RefusesWhatItCannotRun) {
   expect_refused(with("model_type", "mistral"), "model_type");
   expect_refused(with("hidden_act", "gelu"), "hidden_act");
   expect_refused(with("hidden_size", -4), "hidden_size");
-  expect_refused(with("hidden_size", 4000), "num_attention_heads");  // 4000 / 32 heads is not whole
+  expect_refused(with("hidden_size", 4001), "num_attention_heads");  // 4001 / 32 heads is not whole
   expect_refused(with("vocab_size", nullptr), "vocab_size");
   expect_refused(with("intermediate_size", "11008"), "intermediate_size");
   expect_refused(with("mlp_bias", true), "mlp_bias");
