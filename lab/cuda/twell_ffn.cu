@@ -149,9 +149,14 @@ bool check() {
     validate(got);
     const TwellMatrix want = ref::gate_to_twell(work.x.data(), c.spec.rows, work.weights, c.tile, c.compression);
     const std::vector<bf16> got_dense = dense_from_twell(got), want_dense = dense_from_twell(want);
+    // bf16 of an fp32 sum against bf16 of the float64 sum: one rounding step apart at most, and a
+    // gate within fp32 rounding of 0 may fall on either side of the relu.
+    float largest = 0.f;
+    for (const bf16 value : want_dense) largest = std::max(largest, std::fabs(to_float(value)));
     int64_t differing = 0;
     for (size_t i = 0; i < got_dense.size(); ++i)
-      if (std::fabs(to_float(got_dense[i]) - to_float(want_dense[i])) > 1e-2f * std::fabs(to_float(want_dense[i])) + 1e-6f)
+      if (std::fabs(to_float(got_dense[i]) - to_float(want_dense[i])) >
+          1e-2f * std::fabs(to_float(want_dense[i])) + 1e-4f * largest)
         ++differing;
     TWELL_CUDA_CHECK(cudaMemset(device.y.get(), 0xff, work.x.size() * sizeof(bf16)));
     cuda::ffn_from_twell(device.x[0].get(), packed, device.weights, device.y.get());
@@ -163,7 +168,9 @@ bool check() {
     dense.run(device.x[0].get(), c.spec.rows, device.weights, device.y.get());
     const std::vector<float> y_dense = cuda::download_bf16(device.y.get(), work.x.size());
     const double dense_err = relative_l2_error(y_dense.data(), y_ref.data(), y.size());
-    const bool case_ok = differing == 0 && err <= 1.1 * dense_err + 1e-6 && dense_err < 2e-2;
+    // Within 1.1x of the dense bf16 FFN's error, or under the floor that rounding y to bf16 alone
+    // gives (a few 1e-3): on a handful of outputs the two errors are that noise.
+    const bool case_ok = differing == 0 && (err <= 1.1 * dense_err || err <= 3e-3) && dense_err < 2e-2;
     std::printf("check M=%lld D=%d H=%d density=%g T=%d C=%d: spill rows %d, packed values off %lld, "
                 "rel err twell %.3e dense %.3e  %s\n",
                 static_cast<long long>(c.spec.rows), c.spec.d_model, c.spec.d_hidden, c.spec.density, c.tile,

@@ -6,8 +6,8 @@
 //              T=128 hides the epilogue instead)
 //   mainloop   thread 0 issues TMA loads of x and W k-tiles into a kStages-deep ring of swizzled
 //              shared-memory buffers (mbarrier with transaction bytes per stage); two consumer
-//              warpgroups run WGMMA 64xTx16 on their 64 rows each; a stage is refilled once all 256
-//              threads have arrived on its "empty" barrier
+//              warpgroups run WGMMA 64xTx16 on their 64 rows each, one k-tile batch in flight; a
+//              stage is refilled once all 256 threads have arrived on its "empty" barrier
 //   epilogue   accumulators -> relu -> fp32 tile in shared memory (aliasing the drained ring) ->
 //              one warp per row packs it
 #include <cute/tensor.hpp>
@@ -144,24 +144,30 @@ __global__ void __launch_bounds__(Policy::kThreads, Policy::kMinBlocksPerSm)
   Tensor accum = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA,MMA_M,MMA_N) fp32
   clear(accum);
 
+  // One WGMMA batch stays in flight: k-tile k is issued before k-1's stage is released and refilled.
   for (int k = 0; k < k_tiles; ++k) {
     const int stage = k % kStages;
-    const uint32_t phase = (k / kStages) & 1;
-    FullBarrier::wait(&full[stage], phase);
+    FullBarrier::wait(&full[stage], (k / kStages) & 1);
     warpgroup_fence_operand(accum);
     warpgroup_arrive();
     gemm(mma, tCrX(_, _, _, stage), tCrW(_, _, _, stage), accum);
     warpgroup_commit_batch();
-    warpgroup_wait<0>();
+    warpgroup_wait<1>();  // k-1's WGMMAs are done reading their stage
     warpgroup_fence_operand(accum);
-    EmptyBarrier::arrive(&empty[stage]);
-    if (producer && k + kStages < k_tiles) {
-      EmptyBarrier::wait(&empty[stage], phase);
-      FullBarrier::arrive_and_expect_tx(&full[stage], Policy::kTxBytes);
-      copy(tma_x.with(full[stage]), tXgX(_, k + kStages), tXsX(_, stage));
-      copy(tma_w.with(full[stage]), tWgW(_, k + kStages), tWsW(_, stage));
+    if (k > 0) {
+      const int done = k - 1;
+      const int done_stage = done % kStages;
+      EmptyBarrier::arrive(&empty[done_stage]);
+      if (producer && done + kStages < k_tiles) {
+        EmptyBarrier::wait(&empty[done_stage], (done / kStages) & 1);
+        FullBarrier::arrive_and_expect_tx(&full[done_stage], Policy::kTxBytes);
+        copy(tma_x.with(full[done_stage]), tXgX(_, done + kStages), tXsX(_, done_stage));
+        copy(tma_w.with(full[done_stage]), tWgW(_, done + kStages), tWsW(_, done_stage));
+      }
     }
   }
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(accum);
 
   // Every load was consumed and every WGMMA waited for: the ring can hold the epilogue tile.
   __syncthreads();
