@@ -145,7 +145,8 @@ DecodeStats decode_ffn(const float* x, int64_t rows, const FfnWeights& weights, 
         const bool predicted_active = sign_rule ? row.negative_count(j) <= max_negatives : row.one_bit_gate(j) >= min_score;
         if (!predicted_active && !options.count_missed) continue;
         const float* x_row = x + m * cols;  // [D]
-        const float activation = kernels.dot(x_row, projection_row, cols);
+        float activation;
+        kernels.dot_block(x_row, 1, projection_row, 1, cols, &activation, 1);
         if (!predicted_active) {
           missed += activation > 0.0f;
           continue;
@@ -153,9 +154,12 @@ DecodeStats decode_ffn(const float* x, int64_t rows, const FfnWeights& weights, 
         ++predicted;
         if (!(activation > 0.0f)) continue;
         ++active;
-        const float coefficient =
-            weights.gated ? activation * kernels.dot(x_row, weights.up.data() + static_cast<size_t>(j) * cols, cols)
-                          : activation;
+        float coefficient = activation;
+        if (weights.gated) {
+          float up;
+          kernels.dot_block(x_row, 1, weights.up.data() + static_cast<size_t>(j) * cols, 1, cols, &up, 1);
+          coefficient *= up;
+        }
         found.push_back({static_cast<int32_t>(m), j, coefficient});
       }
     }  // implicit barrier: every list is complete
@@ -168,8 +172,8 @@ DecodeStats decode_ffn(const float* x, int64_t rows, const FfnWeights& weights, 
       for (int64_t m = 0; m < rows; ++m) std::fill(y + m * cols + begin, y + m * cols + end, 0.0f);
       for (const auto& list : scratch.active)
         for (const DecodeScratch::ActiveNeuron& neuron : list)
-          kernels.axpy(neuron.coefficient, weights.down.data() + static_cast<size_t>(neuron.neuron) * cols + begin,
-                       y + static_cast<int64_t>(neuron.row) * cols + begin, end - begin);
+          kernels.scatter_axpy(weights.down.data() + static_cast<size_t>(neuron.neuron) * cols + begin, end - begin,
+                               &neuron.row, &neuron.coefficient, 1, y + begin, cols);
     }
   }
   return DecodeStats{predicted, active, options.count_missed ? missed : -1};

@@ -13,6 +13,8 @@ int main(int argc, char** argv) {
   bench->require_subcommand(1);
   twell::cli::add_bench_ffn(*bench);
   twell::cli::add_bench_ffn_train(*bench);
+  twell::cli::add_bench_decode(*bench);
+  twell::cli::add_calibrate(app);
   twell::cli::add_bench_model(*bench);
   twell::cli::add_generate(app);
   twell::cli::add_stats(app);

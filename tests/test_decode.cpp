@@ -1,0 +1,368 @@
+// The decode path (include/twell/decode.h) on every backend present: the sign-bit packing it reads,
+// the predictor scores against the reference predictors, and the decode FFN against the float64
+// reference (ref::ffn_dense when nothing is skipped, ref::decode_ffn with the same prediction when
+// the predictor drops neurons). CPU: every ISA this machine has. CUDA: skipped without a GPU.
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <random>
+
+#include <gtest/gtest.h>
+
+#include "op_harness.h"
+#include "twell/convert.h"
+#include "twell/cpu.h"
+#include "twell/decode.h"
+#include "twell/error.h"
+#include "twell/reference.h"
+#include "twell/workload.h"
+#if defined(TWELL_HAVE_CUDA)
+#include "twell/cuda.h"
+#include "twell/decode_cuda.h"
+#endif
+
+namespace twell {
+namespace {
+
+// fp32 accumulation over D <= 4096 terms of unit-scale products, against float64.
+constexpr double kFp32Tolerance = 2e-5;
+constexpr double kHugeSetting = 1e30;  // alpha or margin so large that every neuron is predicted active
+
+// ---- Backends -----------------------------------------------------------------------------------
+
+using DecodeFn = std::function<DecodeStats(const float* x, int64_t rows, const FfnWeights& weights,
+                                           const SignBits& signs, const PredictorConfig& predictor, float* y,
+                                           const DecodeOptions& options)>;
+struct DecodeBackend {
+  std::string name;
+  std::function<std::string()> skip_reason;  // "" when it can run here
+  DecodeFn decode;
+  int32_t d_multiple = 1;  // D must be a multiple of this
+};
+
+DecodeBackend cpu_backend(cpu::Isa isa) {
+  return {"cpu_" + cpu::to_string(isa),
+          [isa] {
+            try {
+              cpu::Isa previous = cpu::active_isa();
+              cpu::set_isa(isa);
+              cpu::set_isa(previous);
+              return std::string();
+            } catch (const Error&) {
+              return "this CPU has no " + cpu::to_string(isa);
+            }
+          },
+          [isa](const float* x, int64_t rows, const FfnWeights& weights, const SignBits& signs,
+                const PredictorConfig& predictor, float* y, const DecodeOptions& options) {
+            cpu::Isa previous = cpu::active_isa();
+            cpu::set_isa(isa);
+            cpu::DecodeScratch scratch;
+            DecodeStats stats = cpu::decode_ffn(x, rows, weights, signs, predictor, y, scratch, options);
+            cpu::set_isa(previous);
+            return stats;
+          }};
+}
+
+#if defined(TWELL_HAVE_CUDA)
+DecodeBackend cuda_backend() {
+  return {"cuda", [] { return cuda::available() ? std::string() : std::string("no CUDA GPU here"); },
+          [](const float* x, int64_t rows, const FfnWeights& weights, const SignBits& signs,
+             const PredictorConfig& predictor, float* y, const DecodeOptions& options) {
+            const int32_t cols = weights.d_model;
+            cuda::DeviceFfnWeights device_weights = cuda::upload_weights(weights);
+            cuda::DecodeLayer layer(device_weights, signs);
+            cuda::DeviceArray<bf16> x_device = cuda::upload_bf16(x, static_cast<size_t>(rows) * cols);
+            cuda::DeviceArray<float> y_device = cuda::make_device_array<float>(static_cast<size_t>(rows) * cols);
+            std::vector<float> poison(static_cast<size_t>(rows) * cols, std::numeric_limits<float>::quiet_NaN());
+            cuda::copy_to_device(y_device.get(), poison.data(), poison.size() * sizeof(float));
+            layer.run(x_device.get(), rows, predictor, y_device.get(), nullptr, options);
+            cuda::copy_to_host(y, y_device.get(), poison.size() * sizeof(float));
+            return layer.stats(nullptr);
+          },
+          /*d_multiple=*/64};  // cuda::upload_weights' rule
+}
+#endif
+
+std::vector<DecodeBackend> decode_backends() {
+  std::vector<DecodeBackend> backends = {cpu_backend(cpu::Isa::scalar), cpu_backend(cpu::Isa::avx2),
+                                         cpu_backend(cpu::Isa::avx512)};
+#if defined(TWELL_HAVE_CUDA)
+  backends.push_back(cuda_backend());
+#endif
+  return backends;
+}
+
+// ---- Cases --------------------------------------------------------------------------------------
+
+struct DecodeCase {
+  std::string backend;
+  test::OpCase shape;
+};
+
+std::vector<DecodeCase> decode_cases() {
+  // Odd D and H (partial sign words, D not a multiple of 16), M from 1 to the fused limit, both FFN
+  // kinds, a skewed case, and the benchmark's shape at M = 1.
+  std::vector<test::OpCase> shapes;
+  auto add = [&](int64_t rows, int32_t d, int32_t h, double density, bool gated, int32_t hot, uint64_t seed) {
+    test::OpCase c;
+    c.rows = rows;
+    c.d_model = d;
+    c.d_hidden = h;
+    c.density = density;
+    c.gated = gated;
+    c.hot_neurons = hot;
+    c.seed = seed;
+    shapes.push_back(c);
+  };
+  add(1, 64, 96, 0.1, true, 0, 1);
+  add(3, 100, 257, 0.05, true, 0, 2);
+  add(16, 640, 1000, 0.02, true, 3, 3);
+  add(7, 1000, 333, 0.2, false, 0, 4);
+  add(16, 37, 50, 0.5, true, 0, 5);
+  add(2, 4096, 300, 0.05, false, 2, 6);
+  add(1, 2048, 5632, 0.005, true, 0, 7);
+  add(5, 192, 333, 0.1, false, 0, 8);
+  add(9, 128, 1001, 0.03, true, 1, 9);
+  std::vector<DecodeCase> cases;
+  for (const DecodeBackend& backend : decode_backends())
+    for (const test::OpCase& shape : shapes)
+      if (shape.d_model % backend.d_multiple == 0) cases.push_back({backend.name, shape});
+  return cases;
+}
+
+std::string decode_case_name(const testing::TestParamInfo<DecodeCase>& info) {
+  return info.param.backend + "_" + info.param.shape.name();
+}
+
+const DecodeBackend& find_decode_backend(const std::string& name) {
+  static const std::vector<DecodeBackend> backends = decode_backends();
+  for (const DecodeBackend& backend : backends)
+    if (backend.name == name) return backend;
+  fail("no decode backend named '{}'", name);
+}
+
+class DecodeTest : public testing::TestWithParam<DecodeCase> {
+ protected:
+  void SetUp() override {
+    std::string reason = backend().skip_reason();
+    if (!reason.empty()) GTEST_SKIP() << reason;
+    work_ = make_workload(GetParam().shape.workload_spec());
+    signs_ = pack_sign_bits(work_.weights.relu_projection().data(), work_.weights.d_hidden, work_.weights.d_model);
+  }
+  const DecodeBackend& backend() const { return find_decode_backend(GetParam().backend); }
+  int64_t rows() const { return work_.spec.rows; }
+  size_t output_count() const { return static_cast<size_t>(rows()) * work_.weights.d_model; }
+
+  // Runs the backend into a NaN-poisoned y.
+  DecodeStats decode(const PredictorConfig& predictor, std::vector<float>& y, const DecodeOptions& options = {}) {
+    test::poison(y, output_count());
+    return backend().decode(work_.x.data(), rows(), work_.weights, signs_, predictor, y.data(), options);
+  }
+
+  int64_t reference_active_count() const {
+    std::vector<double> projection = ref::relu_projection(work_.x.data(), rows(), work_.weights);
+    return std::count_if(projection.begin(), projection.end(), [](double v) { return v > 0; });
+  }
+
+  Workload work_;
+  SignBits signs_;
+};
+
+// Every neuron predicted active: the decode FFN is the exact FFN.
+TEST_P(DecodeTest, NothingSkippedEqualsDenseFfn) {
+  const std::vector<double> expected = ref::ffn_dense(work_.x.data(), rows(), work_.weights);
+  const int64_t active = reference_active_count();
+  ASSERT_GT(active, 0) << "the case must have active neurons";
+  for (PredictorConfig predictor : {PredictorConfig{PredictorKind::sign_rule, kHugeSetting, 0.0},
+                                    PredictorConfig{PredictorKind::one_bit_gate, 1.0, kHugeSetting}}) {
+    SCOPED_TRACE(to_string(predictor.kind));
+    std::vector<float> y;
+    DecodeStats stats = decode(predictor, y, DecodeOptions{.count_missed = true});
+    EXPECT_TRUE(test::near_relative_l2("y", y.data(), expected.data(), expected.size(), kFp32Tolerance));
+    EXPECT_EQ(stats.predicted, rows() * work_.weights.d_hidden);
+    // fp32 and float64 gates may disagree on a value within rounding of zero.
+    EXPECT_NEAR(static_cast<double>(stats.active), static_cast<double>(active), 1.0 + 1e-3 * active);
+    EXPECT_EQ(stats.missed, 0);
+  }
+}
+
+// The sign rule at a lossy alpha: its prediction is exact integer arithmetic, so the output must
+// equal the reference decode FFN with the reference's own prediction, and the counters must match.
+TEST_P(DecodeTest, SignRuleMatchesReferencePrediction) {
+  const SignBits x_signs = pack_sign_bits(work_.x.data(), static_cast<int32_t>(rows()), work_.weights.d_model);
+  const std::vector<double> projection = ref::relu_projection(work_.x.data(), rows(), work_.weights);
+  for (double alpha : {0.9, 1.0, 1.1}) {
+    SCOPED_TRACE(fmt::format("alpha {}", alpha));
+    const std::vector<uint8_t> mask = ref::predict_active_sign_rule(x_signs, signs_, alpha);
+    int64_t predicted = 0, missed = 0;
+    for (size_t i = 0; i < mask.size(); ++i) {
+      predicted += mask[i];
+      missed += !mask[i] && projection[i] > 0;
+    }
+    const std::vector<double> expected = ref::decode_ffn(work_.x.data(), rows(), work_.weights, mask);
+    std::vector<float> y;
+    DecodeStats stats = decode(PredictorConfig{PredictorKind::sign_rule, alpha, 0.0}, y, {.count_missed = true});
+    EXPECT_EQ(stats.predicted, predicted);
+    EXPECT_NEAR(static_cast<double>(stats.missed), static_cast<double>(missed), 1.0 + 1e-3 * missed);
+    double norm = 0;
+    for (double v : expected) norm += v * v;
+    if (norm > 0) EXPECT_TRUE(test::near_relative_l2("y", y.data(), expected.data(), expected.size(), kFp32Tolerance));
+  }
+}
+
+// The one-bit gate at a lossy margin placed in a gap between reference scores, so that rounding of
+// the fp32 score cannot move a neuron across it.
+TEST_P(DecodeTest, OneBitGateMatchesReferencePrediction) {
+  const std::vector<double> scores = ref::one_bit_gate(work_.x.data(), rows(), signs_);
+  std::vector<double> sorted = scores;
+  std::sort(sorted.begin(), sorted.end());
+  const double spread = sorted.back() - sorted.front();
+  // The widest gap among the upper half of the scores.
+  size_t best = sorted.size() / 2;
+  for (size_t i = sorted.size() / 2; i + 1 < sorted.size(); ++i)
+    if (sorted[i + 1] - sorted[i] > sorted[best + 1] - sorted[best]) best = i;
+  ASSERT_GT(sorted[best + 1] - sorted[best], 1e-4 * spread) << "no gap wide enough for an unambiguous margin";
+  const double margin = -0.5 * (sorted[best] + sorted[best + 1]);
+  const std::vector<uint8_t> mask = ref::predict_active_one_bit_gate(work_.x.data(), rows(), signs_, margin);
+  const int64_t predicted = std::count(mask.begin(), mask.end(), 1);
+  const std::vector<double> expected = ref::decode_ffn(work_.x.data(), rows(), work_.weights, mask);
+  std::vector<float> y;
+  DecodeStats stats = decode(PredictorConfig{PredictorKind::one_bit_gate, 1.0, margin}, y);
+  EXPECT_EQ(stats.predicted, predicted);
+  EXPECT_EQ(stats.missed, -1);
+  double norm = 0;
+  for (double v : expected) norm += v * v;
+  if (norm > 0) EXPECT_TRUE(test::near_relative_l2("y", y.data(), expected.data(), expected.size(), kFp32Tolerance));
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, DecodeTest, testing::ValuesIn(decode_cases()), decode_case_name);
+
+// ---- CPU predictor scores against the reference (every ISA) ----------------------------------------
+
+class PredictorScoresTest : public testing::TestWithParam<cpu::Isa> {
+ protected:
+  void SetUp() override {
+    try {
+      previous_ = cpu::active_isa();
+      cpu::set_isa(GetParam());
+    } catch (const Error& error) {
+      GTEST_SKIP() << error.what();
+    }
+  }
+  void TearDown() override { cpu::set_isa(previous_); }
+  cpu::Isa previous_ = cpu::Isa::scalar;
+};
+
+TEST_P(PredictorScoresTest, CountsAndScoresMatchReference) {
+  for (auto [rows, cols, hidden] : {std::tuple{1, 64, 40}, std::tuple{3, 33, 17}, std::tuple{16, 1000, 123},
+                                    std::tuple{5, 2048, 64}, std::tuple{2, 4099, 9}}) {
+    SCOPED_TRACE(fmt::format("M {} D {} H {}", rows, cols, hidden));
+    WorkloadSpec spec{.rows = rows, .d_model = cols, .d_hidden = hidden, .density = 0.3, .seed = 11u + cols};
+    Workload work = make_workload(spec);
+    // Exact zeros and negative zeros in x: both must count as positive signs.
+    for (int i = 1; i < cols * rows; i += 7) work.x[i] = (i % 2) ? -0.0f : 0.0f;
+    const SignBits signs = pack_sign_bits(work.weights.gate.data(), hidden, cols);
+    const SignBits x_signs = pack_sign_bits(work.x.data(), rows, cols);
+
+    std::vector<int32_t> counts(static_cast<size_t>(rows) * hidden, -7);
+    cpu::negative_sign_products(work.x.data(), rows, signs, counts.data());
+    EXPECT_EQ(counts, ref::negative_sign_products(x_signs, signs));
+
+    std::vector<float> scores(counts.size(), std::numeric_limits<float>::quiet_NaN());
+    cpu::one_bit_gate(work.x.data(), rows, signs, scores.data());
+    const std::vector<double> expected = ref::one_bit_gate(work.x.data(), rows, signs);
+    for (int m = 0; m < rows; ++m) {
+      double abs_sum = 0;  // the natural scale of the rounding error of Σ ±x
+      for (int k = 0; k < cols; ++k) abs_sum += std::abs(work.x[m * cols + k]);
+      for (int j = 0; j < hidden; ++j) {
+        const size_t i = static_cast<size_t>(m) * hidden + j;
+        ASSERT_NEAR(scores[i], expected[i], 1e-6 * signs.scale[j] * abs_sum + 1e-30) << "row " << m << " neuron " << j;
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Isas, PredictorScoresTest,
+                         testing::Values(cpu::Isa::scalar, cpu::Isa::avx2, cpu::Isa::avx512),
+                         [](const testing::TestParamInfo<cpu::Isa>& info) { return cpu::to_string(info.param); });
+
+// ---- Sign bits, thresholds, calibration, bad input -------------------------------------------------
+
+TEST(DecodeSignBits, PackingIsBitExact) {
+  for (auto [rows, cols] : {std::pair{1, 1}, std::pair{3, 31}, std::pair{2, 32}, std::pair{4, 33}, std::pair{5, 100}}) {
+    std::mt19937 rng(rows * 1000 + cols);
+    std::normal_distribution<float> normal;
+    std::vector<float> matrix(static_cast<size_t>(rows) * cols);
+    for (float& v : matrix) v = normal(rng);
+    matrix[0] = -0.0f;
+    if (matrix.size() > 2) matrix[2] = 0.0f;
+    const SignBits packed = pack_sign_bits(matrix.data(), rows, cols);
+    ASSERT_EQ(packed.bits.size(), static_cast<size_t>(rows) * sign_words_per_row(cols));
+    for (int r = 0; r < rows; ++r) {
+      double abs_sum = 0;
+      for (int k = 0; k < sign_words_per_row(cols) * 32; ++k) {
+        const bool bit = (packed.bits[r * sign_words_per_row(cols) + k / 32] >> (k % 32)) & 1u;
+        const bool negative = k < cols && matrix[r * cols + k] < 0.0f;  // -0.0 is not negative
+        ASSERT_EQ(bit, negative) << "row " << r << " column " << k;
+        if (k < cols) abs_sum += std::abs(matrix[r * cols + k]);
+      }
+      EXPECT_EQ(packed.scale[r], static_cast<float>(abs_sum / cols));
+    }
+  }
+}
+
+TEST(DecodeSignRule, IntegerThresholdIsTheRule) {
+  for (int32_t d : {1, 7, 64, 2048, 4099})
+    for (double alpha : {-1.0, 0.0, 1e-9, 0.5, 0.9, 1.0, 1.2, 3.0, 1e30, std::numeric_limits<double>::infinity()}) {
+      const int32_t max_negatives = sign_rule_max_negatives(alpha, d);
+      for (int32_t n = 0; n <= d; ++n)
+        ASSERT_EQ(n <= max_negatives, !(static_cast<double>(n) > alpha * (d - n))) << "D " << d << " alpha " << alpha
+                                                                                    << " n " << n;
+    }
+  EXPECT_THROW(sign_rule_max_negatives(std::nan(""), 10), Error);
+}
+
+TEST(DecodeCalibration, ReachesTargetRecall) {
+  WorkloadSpec spec{.rows = 64, .d_model = 512, .d_hidden = 1024, .density = 0.02, .seed = 21};
+  Workload work = make_workload(spec);
+  const SignBits signs = pack_sign_bits(work.weights.gate.data(), spec.d_hidden, spec.d_model);
+  for (PredictorKind kind : {PredictorKind::sign_rule, PredictorKind::one_bit_gate})
+    for (double target : {0.9, 0.99, 1.0}) {
+      SCOPED_TRACE(fmt::format("{} recall {}", to_string(kind), target));
+      Calibration calibration = calibrate_predictor(work.x.data(), spec.rows, work.weights, signs, kind, target);
+      EXPECT_GT(calibration.quality.active, 0);
+      EXPECT_GE(calibration.quality.recall(), target);
+      EXPECT_EQ(calibration.config.kind, kind);
+      // Same samples, measured again through the public function: the same quality.
+      PredictorQuality again = measure_predictor(work.x.data(), spec.rows, work.weights, signs, calibration.config);
+      EXPECT_EQ(again.kept, calibration.quality.kept);
+      EXPECT_EQ(again.predicted, calibration.quality.predicted);
+      // The CPU decode FFN counts the same misses on the same samples (16 rows at a time).
+      int64_t missed = 0;
+      std::vector<float> y(static_cast<size_t>(16) * spec.d_model);
+      cpu::DecodeScratch scratch;
+      for (int64_t m = 0; m < spec.rows; m += 16)
+        missed += cpu::decode_ffn(work.x.data() + m * spec.d_model, 16, work.weights, signs, calibration.config,
+                                  y.data(), scratch, {.count_missed = true})
+                      .missed;
+      EXPECT_EQ(missed, calibration.quality.active - calibration.quality.kept);
+    }
+}
+
+TEST(DecodeBadInput, RejectsWithAMessage) {
+  WorkloadSpec spec{.rows = 17, .d_model = 64, .d_hidden = 32, .density = 0.1};
+  Workload work = make_workload(spec);
+  const SignBits signs = pack_sign_bits(work.weights.gate.data(), spec.d_hidden, spec.d_model);
+  std::vector<float> y(static_cast<size_t>(spec.rows) * spec.d_model);
+  cpu::DecodeScratch scratch;
+  EXPECT_THROW(cpu::decode_ffn(work.x.data(), 17, work.weights, signs, {}, y.data(), scratch), Error);
+  EXPECT_THROW(cpu::decode_ffn(work.x.data(), 0, work.weights, signs, {}, y.data(), scratch), Error);
+  const SignBits wrong = pack_sign_bits(work.weights.gate.data(), spec.d_hidden / 2, spec.d_model);
+  EXPECT_THROW(cpu::decode_ffn(work.x.data(), 1, work.weights, wrong, {}, y.data(), scratch), Error);
+  EXPECT_THROW(parse_predictor_kind("popcount"), Error);
+  EXPECT_THROW(calibrate_predictor(work.x.data(), 1, work.weights, signs, PredictorKind::sign_rule, 1.5), Error);
+}
+
+}  // namespace
+}  // namespace twell

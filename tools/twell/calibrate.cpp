@@ -1,0 +1,91 @@
+// `twell calibrate`: chooses the decode predictor's per-layer setting (alpha for the sign rule,
+// margin for the one-bit gate) for a target recall on sample tokens (include/twell/decode.h).
+// Until twell loads trained models it calibrates the one layer of the synthetic workload; the
+// result is printed and, with --json, written as {"layers": [{...}]} for a model to store.
+#include <fstream>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "commands.h"
+#include "twell/convert.h"
+#include "twell/cpu.h"
+#include "twell/decode.h"
+#include "twell/error.h"
+#include "twell/workload.h"
+
+namespace twell::cli {
+namespace {
+
+struct CalibrateOptions {
+  int32_t d_model = 2048;
+  int32_t d_hidden = 5632;
+  double density = 0.005;
+  int64_t rows = 512;
+  double recall = 0.99;
+  std::string predictor = "both";
+  uint64_t seed = 1;
+  int threads = 0;
+  std::string json_path;
+};
+
+void run_calibrate(const CalibrateOptions& options) {
+  TWELL_REQUIRE(options.rows >= 1, "--rows must be >= 1, got {}", options.rows);
+  std::vector<PredictorKind> kinds;
+  if (options.predictor == "both")
+    kinds = {PredictorKind::one_bit_gate, PredictorKind::sign_rule};
+  else
+    kinds = {parse_predictor_kind(options.predictor)};
+  cpu::set_num_threads(options.threads);
+  WorkloadSpec spec{.rows = 1, .d_model = options.d_model, .d_hidden = options.d_hidden, .density = options.density,
+                    .seed = options.seed};
+  const FfnWeights weights = make_workload(spec).weights;
+  const SignBits signs = pack_sign_bits(weights.relu_projection().data(), options.d_hidden, options.d_model);
+  // Sample tokens drawn apart from the workload's own x, as calibration data would be.
+  const std::vector<float> samples = make_activations(options.rows, options.d_model, options.seed + 7777);
+  nlohmann::json layer = {{"layer", 0}, {"d_model", options.d_model}, {"d_hidden", options.d_hidden},
+                          {"sample_tokens", options.rows}, {"target_recall", options.recall}};
+  fmt::print("synthetic workload D={} H={} density={}, {} sample tokens, target recall {}\n", options.d_model,
+             options.d_hidden, options.density, options.rows, options.recall);
+  for (PredictorKind kind : kinds) {
+    const Calibration c = calibrate_predictor(samples.data(), options.rows, weights, signs, kind, options.recall);
+    fmt::print("  {:<8} {} = {:.6g}: recall {:.4f}, precision {:.4f}, predicted {:.2f}% of neurons ({:.1f}x the {:.1f} "
+               "active per token)\n",
+               to_string(kind), kind == PredictorKind::sign_rule ? "alpha" : "margin",
+               kind == PredictorKind::sign_rule ? c.config.alpha : c.config.margin, c.quality.recall(),
+               c.quality.precision(), 100 * c.quality.predicted_fraction(), c.quality.predicted_over_active(),
+               static_cast<double>(c.quality.active) / options.rows);
+    layer[to_string(kind)] = {{kind == PredictorKind::sign_rule ? "alpha" : "margin",
+                               kind == PredictorKind::sign_rule ? c.config.alpha : c.config.margin},
+                              {"recall", c.quality.recall()},
+                              {"precision", c.quality.precision()},
+                              {"predicted_fraction", c.quality.predicted_fraction()},
+                              {"predicted_over_active", c.quality.predicted_over_active()}};
+  }
+  if (!options.json_path.empty()) {
+    std::ofstream out(options.json_path);
+    TWELL_REQUIRE(out.good(), "--json: cannot open '{}' for writing", options.json_path);
+    out << nlohmann::json{{"layers", nlohmann::json::array({layer})}}.dump(2) << "\n";
+    fmt::print("wrote {}\n", options.json_path);
+  }
+}
+
+}  // namespace
+
+void add_calibrate(CLI::App& app) {
+  auto options = std::make_shared<CalibrateOptions>();
+  CLI::App* command =
+      app.add_subcommand("calibrate", "choose the decode predictor's alpha / margin for a target recall");
+  command->add_option("--d", options->d_model, "model width D")->capture_default_str();
+  command->add_option("--h", options->d_hidden, "FFN hidden width H")->capture_default_str();
+  command->add_option("--density", options->density, "target density of the relu projection")->capture_default_str();
+  command->add_option("--rows", options->rows, "sample tokens")->capture_default_str();
+  command->add_option("--recall", options->recall, "target recall of the truly active neurons")->capture_default_str();
+  command->add_option("--predictor", options->predictor, "one-bit, sign or both")->capture_default_str();
+  command->add_option("--seed", options->seed, "workload seed")->capture_default_str();
+  command->add_option("--threads", options->threads, "CPU threads, 0 = all cores")->capture_default_str();
+  command->add_option("--json", options->json_path, "write the chosen settings to this file");
+  command->callback([options] { run_calibrate(*options); });
+}
+
+}  // namespace twell::cli
