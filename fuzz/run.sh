@@ -20,13 +20,14 @@ sources=(src/model/safetensors.cpp src/model/config.cpp src/model/tokenizer_hf.c
 mkdir -p "$out/seeds/safetensors" "$out/seeds/config" "$out/seeds/tokenizer"
 cp fuzz/corpus/safetensors/* tests/fixtures/models/qwen2/model.safetensors "$out/seeds/safetensors/" 2>/dev/null || true
 for f in tests/fixtures/models/*/config.json; do cp "$f" "$out/seeds/config/$(basename "$(dirname "$f")").json"; done
-cp tests/fixtures/text/*.txt "$out/seeds/tokenizer/"
+cp tests/fixtures/text/*.txt fuzz/corpus/tokenizer/* "$out/seeds/tokenizer/"
 for target in safetensors config tokenizer; do
   clang++ "${flags[@]}" "fuzz/fuzz_$target.cpp" "${sources[@]}" -o "$out/fuzz_$target" -ldl
 done
 for target in safetensors config tokenizer; do
   echo "fuzz: $target for ${seconds}s"
   "$out/fuzz_$target" -max_total_time="$seconds" -max_len=65536 -rss_limit_mb=4096 -print_final_stats=1 \
+    -error_exitcode=1 -timeout_exitcode=1 -artifact_prefix="$out/" \
     "$out/seeds/$target" 2>&1 | tail -n 12
 done
 echo "fuzz: no crash"

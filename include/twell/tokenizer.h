@@ -9,7 +9,8 @@
 //                   Anything else is refused at load with the JSON path of the unsupported part.
 //   tokenizer.model (src/model/tokenizer_sentencepiece.cpp) sentencepiece, through libsentencepiece,
 //                   which is loaded at run time (see there), so twell runs where it is absent.
-// encode() adds no special tokens; bos_token() says what a model expects in front.
+// encode() adds no special tokens and reads invalid UTF-8 bytes as U+FFFD (the reference
+// implementations take only valid text); bos_token() says what a model expects in front.
 #pragma once
 
 #include <cstdint>
