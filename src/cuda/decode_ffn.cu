@@ -161,6 +161,54 @@ __device__ void score_one_bit(const DecodeParams& p, const uint32_t* bits, int s
   }
 }
 
+// The one-bit gate for M <= kCudaCoreScoreRows on the CUDA cores: for so few rows the mma loop
+// above (16 rows, half of its columns empty) issues several times more instructions than adding ±x
+// directly. Each lane takes whole sign words; x·sign is x with its sign bit XORed with the weight's.
+constexpr int kCudaCoreScoreRows = 2;
+__device__ void score_one_bit_few_rows(const DecodeParams& p, const uint32_t* bits, int stride, int first_neuron,
+                                       int lane, uint32_t* predicted) {
+  float sums[kNeuronsPerWarp][kCudaCoreScoreRows] = {};
+  for (int w = lane; w < p.words; w += 32) {
+    for (int m = 0; m < p.rows; ++m) {
+      // x[m, 32w : 32w + 32] as 16 bf16 pairs; columns past D are 0 (D is a multiple of 8).
+      uint32_t pairs[16];
+      const uint4* x_chunks = reinterpret_cast<const uint4*>(p.x + static_cast<int64_t>(m) * p.cols + w * 32);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const uint4 chunk = w * 32 + c * 8 < p.cols ? __ldg(x_chunks + c) : make_uint4(0u, 0u, 0u, 0u);
+        pairs[4 * c] = chunk.x;
+        pairs[4 * c + 1] = chunk.y;
+        pairs[4 * c + 2] = chunk.z;
+        pairs[4 * c + 3] = chunk.w;
+      }
+#pragma unroll
+      for (int n = 0; n < kNeuronsPerWarp; ++n) {
+        const uint32_t word = bits[n * stride + w];
+        float sum = 0.0f;
+#pragma unroll
+        for (int b = 0; b < 32; ++b) {
+          const uint32_t x_bits = b % 2 == 0 ? pairs[b / 2] << 16 : pairs[b / 2] & 0xffff0000u;
+          sum += __uint_as_float(x_bits ^ ((word << (31 - b)) & 0x80000000u));
+        }
+#pragma unroll
+        for (int r = 0; r < kCudaCoreScoreRows; ++r)
+          if (r == m) sums[n][r] += sum;
+      }
+    }
+  }
+#pragma unroll
+  for (int n = 0; n < kNeuronsPerWarp; ++n) {
+    const int j = first_neuron + n;
+    uint32_t mask = 0;
+#pragma unroll
+    for (int m = 0; m < kCudaCoreScoreRows; ++m) {
+      const float total = warp_sum(sums[n][m]);
+      if (m < p.rows && j < p.hidden && p.scale[j] * total >= p.min_score) mask |= 1u << m;
+    }
+    if (lane == 0) predicted[n] = mask;
+  }
+}
+
 // Sign rule of the warp's neurons: N_neg = popcount(x signs XOR W signs) over the words.
 // x_signs [M, words], bits [kNeuronsPerWarp, stride], both in shared memory.
 __device__ void score_sign_rule(const DecodeParams& p, const uint32_t* x_signs, const uint32_t* bits, int stride,
@@ -234,6 +282,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 2) decode_ffn_kernel(Deco
   __syncwarp();
   if (kSignRule)
     score_sign_rule(p, x_signs, bits, stride, first_neuron, lane, predicted[warp]);
+  else if (p.rows <= kCudaCoreScoreRows)
+    score_one_bit_few_rows(p, bits, stride, first_neuron, lane, predicted[warp]);
   else
     score_one_bit(p, bits, stride, first_neuron, lane, predicted[warp]);
   __syncwarp();
