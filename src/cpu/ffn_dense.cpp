@@ -1,9 +1,16 @@
 // The dense FFN through OpenBLAS (fp32 weights, all threads): the baseline every sparse CPU path
 // is timed against. One row goes through sgemv (OpenBLAS 0.3.21 has no sgemm -> sgemv forwarding,
 // and its sgemm at M = 1 is slower), more rows through sgemm.
+//
+// Threads: OpenBLAS runs single-threaded inside our OpenMP team, each thread on its own slice of
+// the output (what OpenBLAS's own threading does too). Two thread pools on the same cores, OpenBLAS's
+// pthreads and OpenMP's, spin-wait against each other: with 2 cores both the dense and the sparse
+// timings became erratic (2-10x slower) when they alternated.
 #include <cblas.h>
+#include <omp.h>
 
 #include <algorithm>
+#include <climits>
 
 #include "kernels.h"
 #include "twell/error.h"
@@ -11,21 +18,36 @@
 namespace twell::cpu {
 namespace {
 
-// out [M, H] = x [M, D] · w^T, w [H, D].
-void project(const float* x, int64_t rows, const float* w, int32_t h, int32_t d, float* out) {
-  if (rows == 1)
-    cblas_sgemv(CblasRowMajor, CblasNoTrans, h, d, 1.0f, w, d, x, 1, 0.0f, out, 1);
-  else
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(rows), h, d, 1.0f, x, d, w, d, 0.0f, out, h);
+// Part `part` of `parts` equal slices of [0, count), boundaries on 16 floats (a cache line).
+struct Slice {
+  int32_t begin, end;
+};
+Slice slice_of(int part, int parts, int32_t count) {
+  constexpr int32_t kAlign = 16;
+  const int32_t step = ((count + parts - 1) / parts + kAlign - 1) / kAlign * kAlign;
+  const int32_t begin = std::min(count, part * step);
+  return {begin, std::min(count, begin + step)};
 }
 
-// y [M, D] = hidden [M, H] · w, w [H, D].
-void project_down(const float* hidden, int64_t rows, const float* w, int32_t h, int32_t d, float* y) {
+// out [M, H] = x [M, D] · w^T, w [H, D]; this thread's slice of the H columns.
+void project(const float* x, int64_t rows, const float* w, int32_t h, int32_t d, float* out, Slice s) {
+  if (s.end <= s.begin) return;
+  const float* w_slice = w + static_cast<int64_t>(s.begin) * d;  // [s.end - s.begin, D]
   if (rows == 1)
-    cblas_sgemv(CblasRowMajor, CblasTrans, h, d, 1.0f, w, d, hidden, 1, 0.0f, y, 1);
+    cblas_sgemv(CblasRowMajor, CblasNoTrans, s.end - s.begin, d, 1.0f, w_slice, d, x, 1, 0.0f, out + s.begin, 1);
   else
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rows), d, h, 1.0f, hidden, h, w, d, 0.0f,
-                y, d);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(rows), s.end - s.begin, d, 1.0f, x, d,
+                w_slice, d, 0.0f, out + s.begin, h);
+}
+
+// y [M, D] = hidden [M, H] · w, w [H, D]; this thread's slice of the D columns.
+void project_down(const float* hidden, int64_t rows, const float* w, int32_t h, int32_t d, float* y, Slice s) {
+  if (s.end <= s.begin) return;
+  if (rows == 1)
+    cblas_sgemv(CblasRowMajor, CblasTrans, h, s.end - s.begin, 1.0f, w + s.begin, d, hidden, 1, 0.0f, y + s.begin, 1);
+  else
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rows), s.end - s.begin, h, 1.0f, hidden,
+                h, w + s.begin, d, 0.0f, y + s.begin, d);
 }
 
 }  // namespace
@@ -37,22 +59,29 @@ void ffn_dense(const float* x, int64_t rows, const FfnWeights& weights, float* y
   const int32_t d = weights.d_model;
   const int32_t h = weights.d_hidden;
   const int64_t hidden_count = rows * h;
-  set_blas_threads(num_threads());
-
-  scratch.gate.resize(hidden_count);  // [M, H] relu projection, then h
-  project(x, rows, weights.relu_projection().data(), h, d, scratch.gate.data());
+  scratch.gate.resize(hidden_count);                    // [M, H] relu projection, then h
+  if (weights.gated) scratch.up.resize(hidden_count);  // [M, H]
   float* hidden = scratch.gate.data();
-  if (weights.gated) {
-    scratch.up.resize(hidden_count);  // [M, H]
-    project(x, rows, weights.up.data(), h, d, scratch.up.data());
+  const float* relu_weights = weights.relu_projection().data();
+  const int threads = num_threads();
+  set_blas_threads(1);
+
+#pragma omp parallel num_threads(threads)
+  {
+    const int part = omp_get_thread_num();
+    const Slice hidden_slice = slice_of(part, threads, h);
+    project(x, rows, relu_weights, h, d, hidden, hidden_slice);
+    if (weights.gated) project(x, rows, weights.up.data(), h, d, scratch.up.data(), hidden_slice);
+    // Each thread finishes its own columns of h: no barrier needed before this step.
     const float* up = scratch.up.data();
-#pragma omp parallel for simd num_threads(num_threads()) schedule(static)
-    for (int64_t i = 0; i < hidden_count; ++i) hidden[i] = std::max(hidden[i], 0.0f) * up[i];
-  } else {
-#pragma omp parallel for simd num_threads(num_threads()) schedule(static)
-    for (int64_t i = 0; i < hidden_count; ++i) hidden[i] = std::max(hidden[i], 0.0f);
+    for (int64_t m = 0; m < rows; ++m)
+      for (int32_t j = hidden_slice.begin; j < hidden_slice.end; ++j) {
+        float& value = hidden[m * h + j];
+        value = weights.gated ? std::max(value, 0.0f) * up[m * h + j] : std::max(value, 0.0f);
+      }
+#pragma omp barrier
+    project_down(hidden, rows, weights.down.data(), h, d, y, slice_of(part, threads, d));
   }
-  project_down(hidden, rows, weights.down.data(), h, d, y);
 }
 
 }  // namespace twell::cpu
