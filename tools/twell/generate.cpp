@@ -78,9 +78,10 @@ void run_generate(const GenerateOptions& options) {
   const double prefill_s = seconds_since(prefill_start);
 
   // Stream: decode everything generated so far and print what is new, holding back an incomplete
-  // UTF-8 character until its last byte arrives.
+  // UTF-8 character until its last byte arrives. A decoder may still rewrite text already decoded
+  // (a stripped leading space, say); then printing waits until the output again extends it.
   std::vector<int32_t> generated;
-  size_t printed = 0;
+  std::string shown;
   const auto decode_start = std::chrono::steady_clock::now();
   for (int32_t step = 0; step < options.new_tokens; ++step) {
     const int32_t token = sampler.sample(logits.data(), config.vocab_size);
@@ -90,16 +91,17 @@ void run_generate(const GenerateOptions& options) {
     generated.push_back(token);
     const std::string text = tokenizer->decode(generated);
     const size_t ready = complete_utf8_prefix(text);
-    if (ready > printed && text.compare(0, printed, text, 0, printed) == 0) {
-      std::fwrite(text.data() + printed, 1, ready - printed, stdout);
+    if (ready > shown.size() && text.compare(0, shown.size(), shown) == 0) {
+      std::fwrite(text.data() + shown.size(), 1, ready - shown.size(), stdout);
       std::fflush(stdout);
-      printed = ready;
+      shown.assign(text, 0, ready);
     }
     if (step + 1 < options.new_tokens) model.forward(&token, 1, cache, logits.data());
   }
   const double decode_s = seconds_since(decode_start);
   const std::string text = tokenizer->decode(generated);
-  if (text.size() > printed) std::fwrite(text.data() + printed, 1, text.size() - printed, stdout);
+  if (text.size() > shown.size() && text.compare(0, shown.size(), shown) == 0)
+    std::fwrite(text.data() + shown.size(), 1, text.size() - shown.size(), stdout);
   std::fputs("\n", stdout);
   std::fprintf(stderr, "twell: prompt %zu tokens in %.3f s (%.1f tok/s); generated %zu tokens in %.3f s (%.1f tok/s), "
                "--ffn %s\n", prompt.size(), prefill_s, prompt.size() / prefill_s, generated.size(), decode_s,
