@@ -5,6 +5,7 @@ torch, transformers, tokenizers, sentencepiece and safetensors:
     pip install torch --index-url https://download.pytorch.org/whl/cpu   # or plain `pip install torch`
     pip install transformers tokenizers sentencepiece safetensors
     python3 scripts/make_fixtures.py
+    python3 scripts/make_fixtures.py --sparse-demo DIR   # a medium random ReLU model for benchmarks (not committed)
 
 The tests read only the committed output; CI needs none of these packages.
 
@@ -230,7 +231,30 @@ def to_transformers4_config(config, **changes):
     return config
 
 
+def make_sparse_demo(out, d_model=1024, d_hidden=2816, layers=4, vocab=4096, threshold=2.2):
+    """A medium random ReLU checkpoint whose FFN is ~1% dense, as the standard synthetic workload
+    makes it: every embedding row is N(0, 1) with column 0 = 1 (so the normed FFN input keeps
+    x[:, 0] near 1), and every gate row has -threshold in column 0. For `twell bench model`."""
+    config = LlamaConfig(vocab_size=vocab, hidden_size=d_model, intermediate_size=d_hidden, num_hidden_layers=layers,
+                         num_attention_heads=16, num_key_value_heads=16, hidden_act="relu", max_position_embeddings=1024,
+                         initializer_range=0.02, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None,
+                         pad_token_id=None)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.normal_(0, 1.0)
+        model.model.embed_tokens.weight[:, 0] = 1.0
+        for layer in model.model.layers:
+            layer.mlp.gate_proj.weight.normal_(0, d_model ** -0.5)
+            layer.mlp.gate_proj.weight[:, 0] = -threshold
+    model.to(torch.bfloat16).save_pretrained(out)
+    shutil.copy(os.path.join(ROOT, "tokenizers", "bytelevel", "tokenizer.json"), out)
+
+
 def main():
+    if len(sys.argv) == 3 and sys.argv[1] == "--sparse-demo":
+        make_sparse_demo(sys.argv[2])
+        return
     bytelevel = make_bytelevel_tokenizer()
     spm_model, spm_json = make_spm_tokenizer()
     prompt = "It was the best of times, it was"
