@@ -19,9 +19,16 @@ namespace {
 
 // ---- CPU implementations ----
 
+// Times fn() on the clock the options name.
+template <typename Fn>
+double time_cpu_ms(bool thread_cpu_clock, Fn&& fn) {
+  return thread_cpu_clock ? thread_cpu_ms(fn) : wall_ms(fn);
+}
+
 // The baseline: three OpenBLAS products (two when non-gated) on every core.
 class CpuDense final : public FfnBenchImpl {
  public:
+  explicit CpuDense(bool thread_cpu_clock) : thread_cpu_clock_(thread_cpu_clock) {}
   std::string name() const override { return "dense"; }
   void prepare(const Workload& work, const std::vector<std::vector<float>>& inputs) override {
     work_ = &work;
@@ -30,7 +37,8 @@ class CpuDense final : public FfnBenchImpl {
   }
   double run_ms(int input) override {
     const float* x = (*inputs_)[input].data();
-    return wall_ms([&] { cpu::ffn_dense(x, work_->spec.rows, work_->weights, y_.data(), scratch_); });
+    return time_cpu_ms(thread_cpu_clock_,
+                       [&] { cpu::ffn_dense(x, work_->spec.rows, work_->weights, y_.data(), scratch_); });
   }
   std::vector<float> output() override { return y_; }
   int64_t peak_bytes() const override {
@@ -38,6 +46,7 @@ class CpuDense final : public FfnBenchImpl {
   }
 
  private:
+  bool thread_cpu_clock_;
   const Workload* work_ = nullptr;
   const std::vector<std::vector<float>>* inputs_ = nullptr;
   std::vector<float> y_;  // [M, D]
@@ -47,7 +56,8 @@ class CpuDense final : public FfnBenchImpl {
 // gate GEMM + relu + TwELL packing, then up and down only at the non-zero gates.
 class CpuTwell final : public FfnBenchImpl {
  public:
-  CpuTwell(int32_t tile, int32_t compression) : tile_(tile), compression_(compression) {}
+  CpuTwell(int32_t tile, int32_t compression, bool thread_cpu_clock)
+      : tile_(tile), compression_(compression), thread_cpu_clock_(thread_cpu_clock) {}
   std::string name() const override { return "twell"; }
   void prepare(const Workload& work, const std::vector<std::vector<float>>& inputs) override {
     work_ = &work;
@@ -56,7 +66,7 @@ class CpuTwell final : public FfnBenchImpl {
   }
   double run_ms(int input) override {
     const float* x = (*inputs_)[input].data();
-    return wall_ms([&] {
+    return time_cpu_ms(thread_cpu_clock_, [&] {
       cpu::gate_to_twell(x, work_->spec.rows, work_->weights, tile_, compression_, gate_);
       cpu::ffn_from_twell(x, gate_, work_->weights, y_.data());
     });
@@ -69,6 +79,7 @@ class CpuTwell final : public FfnBenchImpl {
 
  private:
   int32_t tile_, compression_;
+  bool thread_cpu_clock_;
   const Workload* work_ = nullptr;
   const std::vector<std::vector<float>>* inputs_ = nullptr;
   std::vector<float> y_;  // [M, D]
@@ -141,6 +152,10 @@ void validate_options(const FfnBenchOptions& options) {
   TWELL_REQUIRE(options.input_sets >= 1, "--inputs must be >= 1, got {}", options.input_sets);
   TWELL_REQUIRE(options.warmup >= 0, "--warmup must be >= 0, got {}", options.warmup);
   TWELL_REQUIRE(options.reps >= 1, "--reps must be >= 1, got {}", options.reps);
+  TWELL_REQUIRE(options.clock == "wall" || (options.clock == "thread-cpu" && options.device == "cpu" && options.threads == 1),
+                "--clock must be wall, or thread-cpu with --device cpu --threads 1 (all work on one thread); got "
+                "--clock {} --device {} --threads {}",
+                options.clock, options.device, options.threads);
 }
 
 FfnBenchDevice make_device(const FfnBenchOptions& options) {
@@ -159,9 +174,10 @@ void run_ffn_bench(const FfnBenchOptions& options) {
                 "the {} benchmark must list the dense baseline first", options.device);
   const std::string commit = build_commit();
   const std::string date = today_utc();
-  fmt::print("twell bench ffn: {} ({}), D={} H={} {}, TwELL T={} C={}, {} input sets, {} warm-up + {} timed reps\n",
-             options.device, device.model, options.d_model, options.d_hidden, options.gated ? "gated" : "non-gated",
-             options.tile, options.compression, options.input_sets, options.warmup, options.reps);
+  fmt::print(
+      "twell bench ffn: {} ({}), D={} H={} {}, TwELL T={} C={}, {} input sets, {} warm-up + {} timed reps, {} clock\n",
+      options.device, device.model, options.d_model, options.d_hidden, options.gated ? "gated" : "non-gated",
+      options.tile, options.compression, options.input_sets, options.warmup, options.reps, options.clock);
   fmt::print("{:>6} {:>8} {:>9} {:>8} {:>10} {:>10} {:>10} {:>9} {:>9} {:>10} {:>8}\n", "M", "density", "nnz/row",
              "impl", "median ms", "p10 ms", "p90 ms", "GB/s", "GFLOP/s", "rel_err", "speedup");
 
@@ -224,6 +240,7 @@ void run_ffn_bench(const FfnBenchOptions& options) {
         if (options.device == "cpu") {
           record.extra["threads"] = cpu::num_threads();
           record.extra["isa"] = cpu::to_string(cpu::active_isa());
+          record.extra["clock"] = options.clock;
         }
         fmt::print("{:>6} {:>8.4g} {:>9.1f} {:>8} {:>10.3f} {:>10.3f} {:>10.3f} {:>9.1f} {:>9.1f} {:>10.2e} {:>7.2f}x\n",
                    rows, density, facts.nnz_per_row, record.impl, record.timing.median_ms, record.timing.p10_ms,
@@ -255,8 +272,9 @@ FfnBenchDevice make_cpu_ffn_bench(const FfnBenchOptions& options) {
   if (!options.isa.empty()) cpu::set_isa(parse_isa(options.isa));
   FfnBenchDevice device;
   device.model = cpu_model_name();
-  device.impls.push_back(std::make_unique<CpuDense>());
-  device.impls.push_back(std::make_unique<CpuTwell>(options.tile, options.compression));
+  const bool thread_cpu_clock = options.clock == "thread-cpu";
+  device.impls.push_back(std::make_unique<CpuDense>(thread_cpu_clock));
+  device.impls.push_back(std::make_unique<CpuTwell>(options.tile, options.compression, thread_cpu_clock));
   return device;
 }
 
@@ -275,6 +293,9 @@ void add_bench_ffn(CLI::App& bench) {
   command->add_option("--compression", options->compression, "TwELL compression C (2, 4 or 8)")->capture_default_str();
   command->add_option("--threads", options->threads, "CPU threads, 0 = all cores")->capture_default_str();
   command->add_option("--isa", options->isa, "CPU kernels: scalar, avx2 or avx512 (default: the best this CPU has)");
+  command->add_option("--clock", options->clock,
+                      "CPU timing: wall, or thread-cpu (needs --threads 1; robust on a shared machine)")
+      ->capture_default_str();
   command->add_option("--inputs", options->input_sets, "activation sets rotated between reps")->capture_default_str();
   command->add_option("--warmup", options->warmup, "untimed runs per implementation and shape")->capture_default_str();
   command->add_option("--reps", options->reps, "timed runs per implementation and shape")->capture_default_str();

@@ -27,6 +27,7 @@ struct FfnBenchOptions {
   int32_t compression = 4;    // TwELL C
   int threads = 0;            // CPU threads, 0 = all cores
   std::string isa;            // CPU ISA override ("scalar", "avx2", "avx512"); empty = best
+  std::string clock = "wall";  // CPU: "wall", or "thread-cpu" (one thread only; see timing.h)
   int input_sets = 3;         // rotated activations
   int warmup = 3;
   int reps = 20;
