@@ -144,8 +144,9 @@ void gate_to_twell(const float* x, int64_t rows, const FfnWeights& weights, int3
     const int32_t block_columns = plan.tiles_per_block * tile;
     scratch.gate_block.resize(plan.row_block * block_columns);
     scratch.positive.resize(tile);
-    // Column blocks outer: consecutive units of one thread share the same slice of Wg.
-#pragma omp for schedule(static)
+    // Column blocks outer: consecutive units share the same slice of Wg. Dynamic: a thread that
+    // loses its core for a while (a shared machine) does not hold the others up at the barrier.
+#pragma omp for schedule(dynamic, 1)
     for (int64_t unit = 0; unit < plan.units(); ++unit) {
       const int64_t first_row = (unit % plan.row_blocks) * plan.row_block;
       const int64_t block_rows = std::min(plan.row_block, rows - first_row);
