@@ -9,8 +9,9 @@
 //   one-bit gate  s(m, j) = scale_j · Σ_k x[m,k]·sign(W[j,k]),  sign = −1 where the bit is set, else +1,
 //                 scale_j = mean |W[j, :]|; predicted active iff s(m, j) >= −margin.  (twell's default)
 //                 margin > 0 keeps neurons whose estimate is a little below zero. On a real ReLU model
-//                 the calibrated margin is positive; on the synthetic workload, whose gate threshold
-//                 sits in a single weight column that the estimate cannot see, it comes out negative.
+//                 the calibrated margin should come out positive (the estimate tracks a pre-activation
+//                 whose threshold is 0; not yet measured in twell); on the synthetic workload, whose
+//                 gate threshold sits in one weight column that the estimate cannot see, it is negative.
 // Both are per-layer settings, chosen by calibrate_predictor for a target recall.
 //
 // The CUDA decode FFN is in twell/decode_cuda.h.
@@ -88,10 +89,11 @@ namespace twell::cpu {
 void negative_sign_products(const float* x, int64_t rows, const SignBits& signs, int32_t* counts);  // [M, H]
 void one_bit_gate(const float* x, int64_t rows, const SignBits& signs, float* scores);               // [M, H]
 
-// Buffers reused across calls (grown, never shrunk): after the first call of a shape, none allocate.
+// Buffers reused across calls (grown, never shrunk); a call allocates only to grow them.
 struct DecodeScratch {
   std::vector<float> x_padded;      // [M, 32·words] x with zeros past D
   std::vector<uint32_t> x_signs;    // [M, words]
+  std::vector<float> row_sums;      // [M] Σ_k x[m, k]
   struct ActiveNeuron {
     int32_t row;
     int32_t neuron;

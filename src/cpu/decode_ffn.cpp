@@ -49,7 +49,11 @@ void require_signs_match(const SignBits& signs, int32_t hidden, int32_t cols) {
 void prepare_rows(const float* x, int64_t rows, int32_t cols, int32_t words, bool pack_signs, DecodeScratch& scratch) {
   const int32_t padded = words * kSignBitsPerWord;
   scratch.x_padded.assign(static_cast<size_t>(rows) * padded, 0.0f);
-  for (int64_t m = 0; m < rows; ++m) std::copy_n(x + m * cols, cols, scratch.x_padded.begin() + m * padded);
+  scratch.row_sums.assign(rows, 0.0f);
+  for (int64_t m = 0; m < rows; ++m) {
+    std::copy_n(x + m * cols, cols, scratch.x_padded.begin() + m * padded);
+    for (int32_t k = 0; k < cols; ++k) scratch.row_sums[m] += x[m * cols + k];
+  }
   if (!pack_signs) return;
   scratch.x_signs.assign(static_cast<size_t>(rows) * words, 0u);
   for (int64_t m = 0; m < rows; ++m)
@@ -57,14 +61,15 @@ void prepare_rows(const float* x, int64_t rows, int32_t cols, int32_t words, boo
       if (x[m * cols + k] < 0.0f) scratch.x_signs[m * words + k / kSignBitsPerWord] |= 1u << (k % kSignBitsPerWord);
 }
 
-// Scores every neuron of one row (the shared loops of the score functions and the decode FFN).
+// Scores the neurons of one row (the shared loops of the score functions and the decode FFN).
+// Holds only pointers into the prepared scratch: cheap to build wherever a row is scored.
 class RowPredictor {
  public:
   RowPredictor(const SignBits& signs, const DecodeScratch& scratch, int64_t row)
       : signs_(signs), words_(signs.words_per_row()), kernels_(active_decode_kernels()) {
     x_padded_ = scratch.x_padded.data() + row * words_ * kSignBitsPerWord;
     if (!scratch.x_signs.empty()) x_signs_ = scratch.x_signs.data() + row * words_;
-    for (int32_t k = 0; k < words_ * kSignBitsPerWord; ++k) row_sum_ += x_padded_[k];
+    row_sum_ = scratch.row_sums[row];
   }
   int32_t negative_count(int32_t neuron) const {
     return kernels_.negative_count(x_signs_, neuron_bits(neuron), words_);
@@ -132,16 +137,12 @@ DecodeStats decode_ffn(const float* x, int64_t rows, const FfnWeights& weights, 
   {
     std::vector<DecodeScratch::ActiveNeuron>& found = scratch.active[omp_get_thread_num()];
     found.clear();
-    // A predictor per row, built once per thread (each holds only pointers and the row sum).
-    std::vector<RowPredictor> row_predictors;
-    row_predictors.reserve(rows);
-    for (int64_t m = 0; m < rows; ++m) row_predictors.emplace_back(signs, scratch, m);
 
 #pragma omp for schedule(static)
     for (int32_t j = 0; j < hidden; ++j) {
       const float* projection_row = projection + static_cast<size_t>(j) * cols;  // [D]
       for (int64_t m = 0; m < rows; ++m) {
-        const RowPredictor& row = row_predictors[m];
+        const RowPredictor row(signs, scratch, m);
         const bool predicted_active = sign_rule ? row.negative_count(j) <= max_negatives : row.one_bit_gate(j) >= min_score;
         if (!predicted_active && !options.count_missed) continue;
         const float* x_row = x + m * cols;  // [D]
