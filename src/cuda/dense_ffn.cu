@@ -17,15 +17,8 @@
 #include <tuple>
 
 #include "cuda/cuda_utils.h"
+#include "cuda/cublas_check.h"
 #include "twell/cuda.h"
-
-#define TWELL_CUBLAS_CHECK(expression)                                                       \
-  do {                                                                                       \
-    cublasStatus_t twell_status_ = (expression);                                             \
-    if (twell_status_ != CUBLAS_STATUS_SUCCESS)                                              \
-      ::twell::fail("cuBLASLt error {} in {} ({}:{})", static_cast<int>(twell_status_), #expression, \
-                    __FILE__, __LINE__);                                                     \
-  } while (0)
 
 namespace twell::cuda {
 namespace {
