@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "cuda_utils.h"
+#include "cuda/warp_math.cuh"
 #include "twell/decode_cuda.h"
 
 namespace twell::cuda {
@@ -48,25 +49,6 @@ struct DecodeParams {
   bool count_missed;
 };
 
-__device__ __forceinline__ float bf16_low(uint32_t pair) { return __uint_as_float(pair << 16); }
-__device__ __forceinline__ float bf16_high(uint32_t pair) { return __uint_as_float(pair & 0xffff0000u); }
-
-__device__ __forceinline__ float dot_chunk(uint4 a, uint4 b) {
-  float sum = bf16_low(a.x) * bf16_low(b.x);
-  sum = fmaf(bf16_high(a.x), bf16_high(b.x), sum);
-  sum = fmaf(bf16_low(a.y), bf16_low(b.y), sum);
-  sum = fmaf(bf16_high(a.y), bf16_high(b.y), sum);
-  sum = fmaf(bf16_low(a.z), bf16_low(b.z), sum);
-  sum = fmaf(bf16_high(a.z), bf16_high(b.z), sum);
-  sum = fmaf(bf16_low(a.w), bf16_low(b.w), sum);
-  return fmaf(bf16_high(a.w), bf16_high(b.w), sum);
-}
-
-__device__ __forceinline__ float warp_sum(float value) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) value += __shfl_xor_sync(0xffffffffu, value, offset);
-  return value;
-}
 
 __device__ __forceinline__ uint4 load_chunk(const bf16* row, int chunk) {
   return __ldg(reinterpret_cast<const uint4*>(row) + chunk);
@@ -96,7 +78,7 @@ __device__ __forceinline__ void dots(const DecodeParams& p, const bf16* row, uin
       const bf16* x_row = p.x + static_cast<int64_t>(m) * p.cols;
 #pragma unroll
       for (int b = 0; b < kBatch; ++b)
-        if (first + 32 * b < chunks) out[m] += dot_chunk(load_chunk(x_row, first + 32 * b), w[b]);
+        if (first + 32 * b < chunks) out[m] += dot8(load_chunk(x_row, first + 32 * b), w[b]);
     }
   }
 #pragma unroll

@@ -17,6 +17,7 @@
 #include <cstdint>
 
 #include "cuda/cuda_utils.h"
+#include "cuda/warp_math.cuh"
 #include "twell/cuda.h"
 
 namespace twell::cuda {
@@ -48,23 +49,6 @@ struct FfnFromTwellParams {
 
 __device__ __forceinline__ uint4 load_vector(const uint16_t* pointer) {
   return __ldg(reinterpret_cast<const uint4*>(pointer));
-}
-__device__ __forceinline__ float low_bf16(uint32_t word) { return __uint_as_float(word << 16); }
-__device__ __forceinline__ float high_bf16(uint32_t word) { return __uint_as_float(word & 0xffff0000u); }
-__device__ __forceinline__ float dot8(uint4 a, uint4 b) {
-  float sum = low_bf16(a.x) * low_bf16(b.x);
-  sum = fmaf(high_bf16(a.x), high_bf16(b.x), sum);
-  sum = fmaf(low_bf16(a.y), low_bf16(b.y), sum);
-  sum = fmaf(high_bf16(a.y), high_bf16(b.y), sum);
-  sum = fmaf(low_bf16(a.z), low_bf16(b.z), sum);
-  sum = fmaf(high_bf16(a.z), high_bf16(b.z), sum);
-  sum = fmaf(low_bf16(a.w), low_bf16(b.w), sum);
-  return fmaf(high_bf16(a.w), high_bf16(b.w), sum);
-}
-__device__ __forceinline__ float warp_sum(float value) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) value += __shfl_xor_sync(0xffffffffu, value, offset);
-  return value;
 }
 // dots[b] = x[m]·W[columns[b]] over all D, on every lane.
 template <int kBatch>
@@ -204,14 +188,14 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 2) down_from_nonzeros_ker
       }
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) {
-        acc[0] = fmaf(h[b], low_bf16(w[b].x), acc[0]);
-        acc[1] = fmaf(h[b], high_bf16(w[b].x), acc[1]);
-        acc[2] = fmaf(h[b], low_bf16(w[b].y), acc[2]);
-        acc[3] = fmaf(h[b], high_bf16(w[b].y), acc[3]);
-        acc[4] = fmaf(h[b], low_bf16(w[b].z), acc[4]);
-        acc[5] = fmaf(h[b], high_bf16(w[b].z), acc[5]);
-        acc[6] = fmaf(h[b], low_bf16(w[b].w), acc[6]);
-        acc[7] = fmaf(h[b], high_bf16(w[b].w), acc[7]);
+        acc[0] = fmaf(h[b], bf16_low(w[b].x), acc[0]);
+        acc[1] = fmaf(h[b], bf16_high(w[b].x), acc[1]);
+        acc[2] = fmaf(h[b], bf16_low(w[b].y), acc[2]);
+        acc[3] = fmaf(h[b], bf16_high(w[b].y), acc[3]);
+        acc[4] = fmaf(h[b], bf16_low(w[b].z), acc[4]);
+        acc[5] = fmaf(h[b], bf16_high(w[b].z), acc[5]);
+        acc[6] = fmaf(h[b], bf16_low(w[b].w), acc[6]);
+        acc[7] = fmaf(h[b], bf16_high(w[b].w), acc[7]);
       }
     }
     queued = 0;

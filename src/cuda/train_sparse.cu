@@ -3,6 +3,7 @@
 #include <cuda_bf16.h>
 
 #include "cuda/train_kernels.cuh"
+#include "cuda/warp_math.cuh"
 #include "twell/error.h"
 
 namespace twell::cuda {
@@ -45,10 +46,6 @@ __device__ __forceinline__ void axpy8(float alpha, const uint4& x, float (&acc)[
   for (int i = 0; i < kVector; ++i) acc[i] = fmaf(alpha, fx[i], acc[i]);
 }
 
-__device__ __forceinline__ float warp_sum(float value) {
-  for (int offset = kWarp / 2; offset > 0; offset /= 2) value += __shfl_xor_sync(0xffffffffu, value, offset);
-  return value;
-}
 
 __device__ __forceinline__ float bf16_at(const bf16* p, int64_t i) { return bf16_to_float(p[i].bits); }
 __device__ __forceinline__ float sign_of(float v) { return static_cast<float>((v > 0.0f) - (v < 0.0f)); }
