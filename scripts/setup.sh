@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-packages=(build-essential cmake git python3 python3-pip
+packages=(build-essential cmake ccache git python3 python3-pip
           libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev nlohmann-json3-dev libcli11-dev libfmt-dev
           libsentencepiece-dev)
 missing=()
