@@ -103,9 +103,13 @@ void gate_to_twell_complete(const bf16* x, int64_t rows, const DeviceFfnWeights&
 void ffn_from_twell(const bf16* x, const DeviceTwell& gate, const DeviceFfnWeights& weights, bf16* y,
                     cudaStream_t stream = nullptr);
 
-// Dense baseline through cuBLASLt: gate GEMM (ReLU epilogue), up GEMM, h = g ⊙ u, down GEMM
-// (non-gated: up GEMM with ReLU epilogue, down GEMM). Holds the handle, a workspace, the [M, H]
-// intermediates and the chosen algorithm per shape.
+// Dense baseline through cuBLASLt: gate GEMM, up GEMM, h = act(g) ⊙ u (one elementwise kernel),
+// down GEMM (non-gated: up GEMM with ReLU epilogue, down GEMM). Holds the GEMM plans, a workspace and
+// the [M, H] intermediates (grown, never shrunk: a call allocates only when M grows).
+struct GateActivation {
+  FfnActivation kind = FfnActivation::relu;
+  float threshold = 0.0f;  // fatrelu only
+};
 class DenseFfn {
  public:
   DenseFfn();
@@ -113,7 +117,9 @@ class DenseFfn {
   DenseFfn(DenseFfn&&) noexcept;
   DenseFfn& operator=(DenseFfn&&) noexcept;
 
-  void run(const bf16* x, int64_t rows, const DeviceFfnWeights& weights, bf16* y, cudaStream_t stream = nullptr);
+  // Non-gated weights take relu only.
+  void run(const bf16* x, int64_t rows, const DeviceFfnWeights& weights, bf16* y, cudaStream_t stream = nullptr,
+           GateActivation activation = {});
   // Device bytes held beyond the inputs and outputs (workspace + intermediates).
   int64_t scratch_bytes() const;
 

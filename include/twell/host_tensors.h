@@ -12,6 +12,10 @@
 
 namespace twell {
 
+// The FFN's gate activation. relu and fatrelu give activation sparsity; fatrelu(x) = x if x > t else 0.
+// The sparse kernels implement relu; the dense paths (CPU and CUDA) take any of them.
+enum class FfnActivation { silu, relu, fatrelu };
+
 // Canonical FFN weight layout: every matrix neuron-major [H, D], so neuron j's gate, up and down
 // rows are each D contiguous floats. down is Hugging Face's down_proj [D, H] transposed, once, at load.
 //   gated:      y = (relu(x·gate^T) ⊙ (x·up^T)) · down

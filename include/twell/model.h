@@ -26,8 +26,6 @@ class Checkpoint;
 // ---------------------------------------------------------------------------------------------
 // Config
 
-// The FFN's gate activation. relu and fatrelu give activation sparsity; fatrelu(x) = x if x > t else 0.
-enum class FfnActivation { silu, relu, fatrelu };
 std::string to_string(FfnActivation activation);
 
 struct ModelConfig {
@@ -83,6 +81,17 @@ struct ModelWeights {
 
 // Every tensor's shape is checked against the config; a missing or misshapen tensor throws naming it.
 ModelWeights load_model_weights(const Checkpoint& checkpoint, const ModelConfig& config);
+
+// Random models for benchmarks without a checkpoint (src/model/synthetic.cpp). Shapes by name:
+// "2b" = 38 layers, D=2048, H=5632, 32 heads (MHA, Dh=64), V=49152, tied embeddings, ReLU FFN
+// (the 2B SparseLM shape); "tiny" = 2 layers, D=128, H=512, 4 heads over 2 KV heads, V=256.
+ModelConfig synthetic_model_config(const std::string& name);
+// Each layer's FFN is the standard workload's (twell/workload.h) for `ffn_density`; the rest keeps
+// that workload's premise, an FFN input whose column 0 is about 1: embedding column 0 is 1, and
+// neither o_proj nor down_proj writes column 0 of the residual stream, so the gate threshold column
+// sees a nearly constant input in every layer. Attention weights N(0, 1/D) (o_proj scaled by 0.05, so the
+// residual stream's scale, and with it the density, drifts little over the layers).
+ModelWeights make_synthetic_weights(const ModelConfig& config, double ffn_density, uint64_t seed);
 
 // ---------------------------------------------------------------------------------------------
 // Forward

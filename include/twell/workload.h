@@ -34,6 +34,8 @@ struct Workload {
 Workload make_workload(const WorkloadSpec& spec);
 // Fresh activations for the same weights (benchmarks rotate several input sets).
 std::vector<float> make_activations(int64_t rows, int32_t d_model, uint64_t seed);
+// `count` values N(0, stddev²), each rounded to bf16, from the workload's generator.
+std::vector<float> make_normal(size_t count, double stddev, uint64_t seed);
 double gate_threshold_for_density(double density);
 // Mean non-zeros per row of relu(x·W^T) for the relu projection W, computed exactly.
 double measured_nnz_per_row(const float* x, int64_t rows, const FfnWeights& weights);

@@ -59,6 +59,13 @@ std::vector<float> make_activations(int64_t rows, int32_t d_model, uint64_t seed
   return x;
 }
 
+std::vector<float> make_normal(size_t count, double stddev, uint64_t seed) {
+  Rng rng(seed * 0xd1342543de82ef95ull + 29);
+  std::vector<float> values;
+  fill_normal(values, count, stddev, rng);
+  return values;
+}
+
 Workload make_workload(const WorkloadSpec& spec) {
   TWELL_REQUIRE(spec.d_hidden >= 1, "d_hidden (H) must be >= 1, got {}", spec.d_hidden);
   TWELL_REQUIRE(spec.hot_neurons >= 0 && spec.hot_neurons <= spec.d_hidden,

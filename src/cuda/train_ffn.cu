@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "cuda/train_gemm.cuh"
+#include "cuda/gemm.h"
 #include "cuda/train_kernels.cuh"
 #include "twell/error.h"
 #include "twell/train.h"

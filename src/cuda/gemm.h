@@ -1,0 +1,60 @@
+// The one cuBLASLt wrapper of twell: row-major bf16 GEMMs with fp32 accumulation, used by the
+// dense FFN baseline, the training FFN's dense parts and the model runtime's projections and
+// attention. Each shape's descriptors and algorithm are planned once and reused, so a call costs
+// only the cublasLtMatmul launch (and can be captured in a CUDA graph once planned).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <tuple>
+
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include "cuda/cuda_utils.h"
+#include "twell/bf16.h"
+
+namespace twell::cuda {
+
+enum class GemmOutput { bf16, f32 };
+enum class GemmEpilogue { none, relu };
+
+// One operand in row-major storage: `transposed` = false means the stored matrix is op(X) itself
+// ([rows of op, cols of op]); true means it is stored as op(X)^T. `ld` counts elements per stored row.
+struct GemmOperand {
+  const bf16* data;
+  int64_t ld;
+  bool transposed;
+};
+
+// `count` independent GEMMs of one shape; operand i starts `stride_*` elements after operand i-1.
+struct GemmBatch {
+  int32_t count = 1;
+  int64_t stride_a = 0, stride_b = 0, stride_c = 0;
+};
+
+class RowMajorGemm {
+ public:
+  RowMajorGemm();
+  ~RowMajorGemm();
+  RowMajorGemm(const RowMajorGemm&) = delete;
+  RowMajorGemm& operator=(const RowMajorGemm&) = delete;
+
+  // C [m, n] (row-major, ldc) = epilogue(op(A) [m, k] · op(B) [k, n] + beta · C), per batch entry.
+  // beta = 0 ignores C's contents.
+  void run(int64_t m, int64_t n, int64_t k, GemmOperand a, GemmOperand b, void* c, int64_t ldc, GemmOutput c_type,
+           float beta, cudaStream_t stream, GemmEpilogue epilogue = GemmEpilogue::none, const GemmBatch& batch = {});
+
+  int64_t workspace_bytes() const { return static_cast<int64_t>(workspace_.bytes()); }
+
+ private:
+  struct Plan;
+  using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, bool, GemmOutput, bool,
+                         GemmEpilogue, int32_t, int64_t, int64_t, int64_t>;
+  cublasLtHandle_t handle_ = nullptr;
+  DeviceBuffer<uint8_t> workspace_;
+  std::map<Key, std::unique_ptr<Plan>> plans_;
+};
+
+}  // namespace twell::cuda

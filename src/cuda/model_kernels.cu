@@ -1,0 +1,274 @@
+// The model runtime's elementwise, normalization, RoPE, softmax and decode-attention kernels.
+// Simple on purpose: each is memory-bound and small next to the GEMMs and FFNs of a step; the
+// one exception, decode attention over a long cache, reads each cached key and value once.
+#include "cuda/model_kernels.h"
+
+#include <algorithm>
+#include <cfloat>
+#include <mutex>
+
+#include "cuda/cuda_utils.h"
+#include "cuda/warp_math.cuh"
+
+namespace twell::cuda::model_kernels {
+namespace {
+
+constexpr int kThreads = 256;
+
+// Sum (or max) over the block; every thread gets the result. `scratch` holds 32 floats.
+template <bool kMax>
+__device__ float block_reduce(float value, float* scratch) {
+  for (int offset = 16; offset > 0; offset /= 2) {
+    const float other = __shfl_xor_sync(0xffffffffu, value, offset);
+    value = kMax ? fmaxf(value, other) : value + other;
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = (blockDim.x + 31) / 32;
+  __syncthreads();  // scratch may still be read by a previous reduction
+  if (lane == 0) scratch[warp] = value;
+  __syncthreads();
+  value = lane < warps ? scratch[lane] : (kMax ? -FLT_MAX : 0.0f);
+  for (int offset = 16; offset > 0; offset /= 2) {
+    const float other = __shfl_xor_sync(0xffffffffu, value, offset);
+    value = kMax ? fmaxf(value, other) : value + other;
+  }
+  return value;
+}
+
+unsigned grid_for(int64_t count) {
+  return static_cast<unsigned>(std::min<int64_t>((count + kThreads - 1) / kThreads, int64_t{device_facts().sm_count} * 32));
+}
+
+__global__ void embed_kernel(const int32_t* tokens, const bf16* table, int32_t d_model, float* hidden) {
+  const bf16* row = table + static_cast<int64_t>(tokens[blockIdx.x]) * d_model;
+  float* out = hidden + static_cast<int64_t>(blockIdx.x) * d_model;
+  for (int32_t k = threadIdx.x; k < d_model; k += blockDim.x) out[k] = to_float(row[k]);
+}
+
+__global__ void rms_norm_kernel(const float* x, int64_t first, int64_t step, int32_t d_model, const float* weight,
+                                float eps, bf16* y) {
+  __shared__ float scratch[32];
+  const float* row = x + (first + blockIdx.x * step) * d_model;
+  float sum_squares = 0;
+  for (int32_t k = threadIdx.x; k < d_model; k += blockDim.x) sum_squares += row[k] * row[k];
+  sum_squares = block_reduce<false>(sum_squares, scratch);
+  const float inv_rms = 1.0f / sqrtf(sum_squares / d_model + eps);
+  bf16* out = y + static_cast<int64_t>(blockIdx.x) * d_model;
+  for (int32_t k = threadIdx.x; k < d_model; k += blockDim.x) out[k] = to_bf16(weight[k] * (row[k] * inv_rms));
+}
+
+__global__ void qkv_rope_kernel(const bf16* qkv, const float* bias, AttentionShape s, const int32_t* length,
+                                float rope_theta, bf16* q, bf16* k_cache, bf16* v_cache) {
+  const int32_t r = blockIdx.x, b = r / s.tokens, t = r % s.tokens;
+  const int32_t position = *length + t;
+  const int32_t dh = s.head_dim, half = dh / 2;
+  const int64_t q_width = int64_t{s.n_heads} * dh, kv_width = int64_t{s.n_kv_heads} * dh;
+  const int64_t width = q_width + 2 * kv_width;
+  const bf16* in = qkv + r * width;
+  auto value = [&](int64_t column) { return to_float(in[column]) + (bias ? bias[column] : 0.0f); };
+  for (int32_t index = threadIdx.x; index < (s.n_heads + s.n_kv_heads) * half; index += blockDim.x) {
+    const int32_t head = index / half, i = index % half;
+    const bool is_query = head < s.n_heads;
+    const int64_t column = int64_t{head} * dh;  // q heads, then k heads, in the qkv row
+    bf16* out = is_query ? q + ((int64_t{b} * s.n_heads + head) * s.tokens + t) * dh
+                         : k_cache + ((int64_t{b} * s.n_kv_heads + (head - s.n_heads)) * s.cache_stride + position) * dh;
+    const float inv_freq = 1.0f / powf(rope_theta, static_cast<float>(2 * i) / static_cast<float>(dh));
+    const float angle = static_cast<float>(position) * inv_freq;
+    const float c = cosf(angle), sn = sinf(angle);
+    const float x0 = value(column + i), x1 = value(column + i + half);
+    out[i] = to_bf16(x0 * c - x1 * sn);
+    out[i + half] = to_bf16(x1 * c + x0 * sn);
+  }
+  for (int32_t index = threadIdx.x; index < kv_width; index += blockDim.x) {
+    const int32_t head = index / dh, d = index % dh;
+    v_cache[((int64_t{b} * s.n_kv_heads + head) * s.cache_stride + position) * dh + d] =
+        to_bf16(value(q_width + kv_width + index));
+  }
+}
+
+__global__ void causal_softmax_kernel(const float* scores, int32_t tokens, int32_t start, int32_t ld, float scale,
+                                      bf16* probs) {
+  __shared__ float scratch[32];
+  const int64_t row = blockIdx.x;
+  const int32_t visible = start + static_cast<int32_t>(row % tokens) + 1;
+  const float* in = scores + row * ld;
+  bf16* out = probs + row * ld;
+  float max_score = -FLT_MAX;
+  for (int32_t j = threadIdx.x; j < visible; j += blockDim.x) max_score = fmaxf(max_score, in[j] * scale);
+  max_score = block_reduce<true>(max_score, scratch);
+  float total = 0;
+  for (int32_t j = threadIdx.x; j < visible; j += blockDim.x) total += expf(in[j] * scale - max_score);
+  total = block_reduce<false>(total, scratch);
+  const float inv_total = 1.0f / total;
+  for (int32_t j = threadIdx.x; j < ld; j += blockDim.x)
+    out[j] = to_bf16(j < visible ? expf(in[j] * scale - max_score) * inv_total : 0.0f);
+}
+
+__global__ void heads_to_tokens_kernel(const bf16* in, AttentionShape s, int64_t count, bf16* out) {
+  for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < count; e += int64_t{gridDim.x} * blockDim.x) {
+    // in [B, H, n, Dh]
+    const int64_t d = e % s.head_dim, t = (e / s.head_dim) % s.tokens;
+    const int64_t h = (e / (int64_t{s.head_dim} * s.tokens)) % s.n_heads;
+    const int64_t b = e / (int64_t{s.head_dim} * s.tokens * s.n_heads);
+    out[((b * s.tokens + t) * s.n_heads + h) * s.head_dim + d] = in[e];
+  }
+}
+
+// One block per (sequence, query head): scores in shared memory, then the weighted sum of values.
+__global__ void decode_attention_kernel(const bf16* q, const bf16* k_cache, const bf16* v_cache, AttentionShape s,
+                                        const int32_t* length, float scale, bf16* out) {
+  extern __shared__ float shared[];
+  __shared__ float scratch[32];
+  const int32_t dh = s.head_dim;
+  float* query = shared;         // [Dh]
+  float* weights = shared + dh;  // [visible]
+  const int32_t b = blockIdx.x / s.n_heads, h = blockIdx.x % s.n_heads;
+  const int32_t kv_head = h / (s.n_heads / s.n_kv_heads);
+  const int32_t visible = *length + 1;
+  const int64_t cache_base = (int64_t{b} * s.n_kv_heads + kv_head) * s.cache_stride * dh;
+  const bf16* keys = k_cache + cache_base;
+  const bf16* values = v_cache + cache_base;
+  for (int32_t d = threadIdx.x; d < dh; d += blockDim.x) query[d] = to_float(q[(int64_t{b} * s.n_heads + h) * dh + d]);
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  for (int32_t j = warp; j < visible; j += warps) {
+    float dot = 0;
+    for (int32_t d = lane; d < dh; d += 32) dot += query[d] * to_float(keys[int64_t{j} * dh + d]);
+    dot = warp_sum(dot);
+    if (lane == 0) weights[j] = dot * scale;
+  }
+  __syncthreads();
+  float max_score = -FLT_MAX;
+  for (int32_t j = threadIdx.x; j < visible; j += blockDim.x) max_score = fmaxf(max_score, weights[j]);
+  max_score = block_reduce<true>(max_score, scratch);
+  float total = 0;
+  for (int32_t j = threadIdx.x; j < visible; j += blockDim.x) {
+    weights[j] = expf(weights[j] - max_score);
+    total += weights[j];
+  }
+  total = block_reduce<false>(total, scratch);  // its barriers also publish weights[]
+  const float inv_total = 1.0f / total;
+  for (int32_t d = threadIdx.x; d < dh; d += blockDim.x) {
+    float sum = 0;
+    for (int32_t j = 0; j < visible; ++j) sum += weights[j] * to_float(values[int64_t{j} * dh + d]);
+    out[(int64_t{b} * s.n_heads + h) * dh + d] = to_bf16(sum * inv_total);
+  }
+}
+
+template <typename T>
+__global__ void add_residual_kernel(float* hidden, const T* y, int64_t count) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count; i += int64_t{gridDim.x} * blockDim.x) {
+    if constexpr (sizeof(T) == 2)
+      hidden[i] += to_float(y[i]);
+    else
+      hidden[i] += y[i];
+  }
+}
+
+__global__ void argmax_kernel(const float* logits, int32_t vocab, const int32_t* length, int32_t* next, int32_t* history,
+                              int32_t history_stride) {
+  __shared__ float best_values[kThreads];
+  __shared__ int32_t best_ids[kThreads];
+  const float* row = logits + static_cast<int64_t>(blockIdx.x) * vocab;
+  float best = -FLT_MAX;
+  int32_t best_id = 0x7fffffff;
+  for (int32_t v = threadIdx.x; v < vocab; v += blockDim.x)
+    if (row[v] > best) {  // ascending v per thread: the first maximum is kept
+      best = row[v];
+      best_id = v;
+    }
+  best_values[threadIdx.x] = best;
+  best_ids[threadIdx.x] = best_id;
+  __syncthreads();
+  for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
+    if (threadIdx.x < stride) {
+      const float other = best_values[threadIdx.x + stride];
+      const int32_t other_id = best_ids[threadIdx.x + stride];
+      if (other > best_values[threadIdx.x] || (other == best_values[threadIdx.x] && other_id < best_ids[threadIdx.x])) {
+        best_values[threadIdx.x] = other;
+        best_ids[threadIdx.x] = other_id;
+      }
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    const int32_t token = best_ids[0] == 0x7fffffff ? 0 : best_ids[0];
+    next[blockIdx.x] = token;
+    history[static_cast<int64_t>(blockIdx.x) * history_stride + *length - 1] = token;
+  }
+}
+
+__global__ void advance_length_kernel(int32_t* length, int32_t n) { *length += n; }
+
+}  // namespace
+
+void embed(const int32_t* tokens, int64_t rows, const bf16* table, int32_t d_model, float* hidden, cudaStream_t stream) {
+  embed_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(tokens, table, d_model, hidden);
+  TWELL_CUDA_CHECK_LAUNCH();
+}
+
+void rms_norm(const float* x, int64_t rows, int64_t first, int64_t step, int32_t d_model, const float* weight, float eps,
+              bf16* y, cudaStream_t stream) {
+  rms_norm_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(x, first, step, d_model, weight, eps, y);
+  TWELL_CUDA_CHECK_LAUNCH();
+}
+
+void qkv_rope(const bf16* qkv, const float* bias, const AttentionShape& shape, const int32_t* length, float rope_theta,
+              bf16* q, bf16* k_cache, bf16* v_cache, cudaStream_t stream) {
+  const auto rows = static_cast<unsigned>(int64_t{shape.batch} * shape.tokens);
+  qkv_rope_kernel<<<rows, 128, 0, stream>>>(qkv, bias, shape, length, rope_theta, q, k_cache, v_cache);
+  TWELL_CUDA_CHECK_LAUNCH();
+}
+
+void causal_softmax(const float* scores, int64_t rows_total, int32_t tokens, int32_t start, int32_t ld, float scale,
+                    bf16* probs, cudaStream_t stream) {
+  causal_softmax_kernel<<<static_cast<unsigned>(rows_total), kThreads, 0, stream>>>(scores, tokens, start, ld, scale,
+                                                                                     probs);
+  TWELL_CUDA_CHECK_LAUNCH();
+}
+
+void heads_to_tokens(const bf16* in, const AttentionShape& shape, bf16* out, cudaStream_t stream) {
+  const int64_t count = int64_t{shape.batch} * shape.n_heads * shape.tokens * shape.head_dim;
+  heads_to_tokens_kernel<<<grid_for(count), kThreads, 0, stream>>>(in, shape, count, out);
+  TWELL_CUDA_CHECK_LAUNCH();
+}
+
+int32_t decode_attention_max_positions(int32_t head_dim) {
+  return device_facts().max_smem_per_block_optin / static_cast<int32_t>(sizeof(float)) - head_dim - 64;
+}
+
+void decode_attention(const bf16* q, const bf16* k_cache, const bf16* v_cache, const AttentionShape& shape,
+                      const int32_t* length, float scale, bf16* out, cudaStream_t stream) {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    TWELL_CUDA_CHECK(cudaFuncSetAttribute(decode_attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          device_facts().max_smem_per_block_optin - 32 * static_cast<int>(sizeof(float))));
+  });
+  const size_t shared = (static_cast<size_t>(shape.cache_stride) + shape.head_dim) * sizeof(float);
+  decode_attention_kernel<<<static_cast<unsigned>(shape.batch * shape.n_heads), 128, shared, stream>>>(
+      q, k_cache, v_cache, shape, length, scale, out);
+  TWELL_CUDA_CHECK_LAUNCH();
+}
+
+void add_residual(float* hidden, const bf16* y, int64_t count, cudaStream_t stream) {
+  add_residual_kernel<<<grid_for(count), kThreads, 0, stream>>>(hidden, y, count);
+  TWELL_CUDA_CHECK_LAUNCH();
+}
+
+void add_residual(float* hidden, const float* y, int64_t count, cudaStream_t stream) {
+  add_residual_kernel<<<grid_for(count), kThreads, 0, stream>>>(hidden, y, count);
+  TWELL_CUDA_CHECK_LAUNCH();
+}
+
+void argmax_tokens(const float* logits, int32_t batch, int32_t vocab, const int32_t* length, int32_t* next,
+                   int32_t* history, int32_t history_stride, cudaStream_t stream) {
+  argmax_kernel<<<static_cast<unsigned>(batch), kThreads, 0, stream>>>(logits, vocab, length, next, history,
+                                                                        history_stride);
+  TWELL_CUDA_CHECK_LAUNCH();
+}
+
+void advance_length(int32_t* length, int32_t n, cudaStream_t stream) {
+  advance_length_kernel<<<1, 1, 0, stream>>>(length, n);
+  TWELL_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace twell::cuda::model_kernels

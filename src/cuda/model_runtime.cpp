@@ -1,0 +1,440 @@
+// CudaModel (include/twell/model_cuda.h): weights on the device, the KV cache, one forward step as a
+// sequence of launches on the model's stream, and CUDA graphs of decode steps.
+#include <cmath>
+#include <map>
+#include <set>
+
+#include "cuda/cuda_utils.h"
+#include "cuda/gemm.h"
+#include "cuda/model_kernels.h"
+#include "twell/convert.h"
+#include "twell/cuda.h"
+#include "twell/decode_cuda.h"
+#include "twell/error.h"
+#include "twell/model_cuda.h"
+
+namespace twell::cuda {
+namespace {
+
+namespace mk = model_kernels;
+
+// Prefill attention materializes the scores of as many sequences at a time as fit in this.
+constexpr int64_t kScoresBudgetBytes = int64_t{1} << 30;
+// Cache positions per (sequence, head) are padded to this so every GEMM row starts 16-byte aligned.
+constexpr int32_t kPositionAlign = 8;
+
+DeviceArray<float> upload_f32(const std::vector<float>& host) {
+  DeviceArray<float> device = make_device_array<float>(host.size());
+  copy_to_device(device.get(), host.data(), host.size() * sizeof(float));
+  return device;
+}
+
+int32_t round_up(int32_t value, int32_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+
+struct DeviceLayer {
+  DeviceArray<float> attn_norm;  // [D]
+  DeviceArray<float> ffn_norm;   // [D]
+  DeviceArray<bf16> wqkv;        // [H_q·Dh + 2·H_kv·Dh, D]: q_proj, k_proj, v_proj stacked
+  DeviceArray<float> bqkv;       // [H_q·Dh + 2·H_kv·Dh], null without qkv_bias
+  DeviceArray<bf16> wo;          // [D, H_q·Dh]
+  DeviceFfnWeights ffn;          // canonical neuron-major [H, D]
+  SignBits signs;                // host copy, relu models only: the predictor's input
+  std::unique_ptr<DecodeLayer> decode;  // built when the predict path is chosen
+};
+
+}  // namespace
+
+struct CudaModel::Impl {
+  ModelConfig config;
+  CudaModelOptions options;
+  FfnPath path = FfnPath::dense;
+  std::vector<PredictorConfig> predictors;
+
+  DeviceArray<bf16> embedding;  // [V, D]
+  DeviceArray<bf16> lm_head;    // [V, D], null when tied
+  DeviceArray<float> final_norm;
+  std::vector<DeviceLayer> layers;
+
+  cudaStream_t stream = nullptr;
+  RowMajorGemm gemm;
+  DenseFfn dense_batch;   // steps of n > 1 tokens
+  DenseFfn dense_decode;  // steps of n = 1 (its buffers stay put once a graph holds them)
+  std::unique_ptr<SparseFfn> sparse;
+
+  // KV cache and step state
+  int32_t batch = 0, capacity = 0, cache_stride = 0, length = 0;
+  bool next_tokens_ready = false;   // tokens[0 .. B) hold the argmax of the last step's logits
+  DeviceBuffer<bf16> k_cache;       // [layers, B, H_kv, cache_stride, Dh]
+  DeviceBuffer<bf16> v_cache;       // [layers, B, H_kv, cache_stride, Dh]
+  DeviceBuffer<int32_t> length_device;  // [1] positions cached, read by the kernels
+  DeviceBuffer<int32_t> tokens;     // [B·n] this step's input
+  DeviceBuffer<int32_t> history;    // [B, cache_stride] argmax token after each position
+
+  // workspace, grown to the largest step
+  DeviceBuffer<float> hidden;     // [rows, D] residual stream
+  DeviceBuffer<bf16> normed;      // [rows, D]
+  DeviceBuffer<bf16> qkv;         // [rows, H_q·Dh + 2·H_kv·Dh]
+  DeviceBuffer<bf16> q;           // [B, H_q, n, Dh]
+  DeviceBuffer<bf16> attention;   // [rows, H_q·Dh]
+  DeviceBuffer<bf16> heads;       // [chunk, H_q, n, Dh] prefill attention output
+  DeviceBuffer<float> scores;     // [chunk, H_q, n, Lp]
+  DeviceBuffer<bf16> probs;       // [chunk, H_q, n, Lp]
+  DeviceBuffer<bf16> ffn_out;     // [rows, D]
+  DeviceBuffer<float> ffn_out_f32;  // [rows, D] (DecodeLayer)
+  DeviceBuffer<float> logits;     // [out rows, V]
+
+  std::map<std::pair<int32_t, bool>, cudaGraphExec_t> graphs;  // (B, LM head) -> decode step
+  std::set<std::pair<int32_t, bool>> warmed;                   // ran once eagerly at that shape
+  int64_t dense_decode_bytes = 0;
+  int64_t replays = 0;
+  FfnCalls sparse_calls;
+
+  int64_t q_dim() const { return int64_t{config.n_heads} * config.head_dim; }
+  int64_t kv_dim() const { return int64_t{config.n_kv_heads} * config.head_dim; }
+  int64_t qkv_width() const { return q_dim() + 2 * kv_dim(); }
+  int64_t cache_layer_elements() const { return int64_t{batch} * config.n_kv_heads * cache_stride * config.head_dim; }
+
+  void drop_graphs() {
+    for (auto& [key, exec] : graphs) cudaGraphExecDestroy(exec);
+    graphs.clear();
+    warmed.clear();
+  }
+
+  // A captured graph holds the buffers' addresses: growing one invalidates every graph.
+  template <typename T>
+  void grow(DeviceBuffer<T>& buffer, int64_t count) {
+    if (static_cast<size_t>(count) <= buffer.size()) return;
+    drop_graphs();
+    TWELL_CUDA_CHECK(cudaStreamSynchronize(stream));
+    buffer.resize(static_cast<size_t>(count));
+  }
+
+  void reserve(int32_t n, bool with_lm_head, bool all_logits) {
+    const int64_t rows = int64_t{batch} * n, d = config.d_model;
+    grow(hidden, rows * d);
+    grow(normed, rows * d);
+    grow(qkv, rows * qkv_width());
+    grow(q, rows * q_dim());
+    grow(attention, rows * q_dim());
+    grow(ffn_out, rows * d);
+    if (path == FfnPath::predict && rows <= kDecodeMaxRows) grow(ffn_out_f32, rows * d);
+    if (with_lm_head) grow(logits, (all_logits ? rows : batch) * int64_t{config.vocab_size});
+  }
+
+  bool graph_capturable(int32_t n, bool all_logits) const {
+    if (n != 1 || all_logits || !options.decode_graphs) return false;
+    return path == FfnPath::dense || (path == FfnPath::predict && batch <= kDecodeMaxRows);
+  }
+
+  void prefill_attention(int32_t n, bf16* k_layer, bf16* v_layer) {
+    const ModelConfig& c = config;
+    const int32_t dh = c.head_dim, group = c.n_heads / c.n_kv_heads;
+    const int32_t start = length;
+    const int32_t padded = round_up(start + n, kPositionAlign);  // Lp: keys past start + n are masked
+    const int64_t per_sequence = int64_t{c.n_heads} * n * padded;
+    const int32_t chunk = static_cast<int32_t>(
+        std::clamp<int64_t>(kScoresBudgetBytes / (per_sequence * int64_t{sizeof(float)}), 1, batch));
+    grow(scores, chunk * per_sequence);
+    grow(probs, chunk * per_sequence);
+    grow(heads, int64_t{chunk} * c.n_heads * n * dh);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
+    const int64_t kv_stride = int64_t{cache_stride} * dh;  // one (sequence, kv head) of the cache
+    const int64_t group_rows = int64_t{group} * n;         // one kv head's query rows (head-major q)
+    for (int32_t first = 0; first < batch; first += chunk) {
+      const int32_t count = std::min(chunk, batch - first);
+      const GemmBatch per_kv_head{count * c.n_kv_heads, group_rows * dh, kv_stride, group_rows * padded};
+      const bf16* q_chunk = q.data() + int64_t{first} * c.n_heads * n * dh;
+      const int64_t cache_offset = int64_t{first} * c.n_kv_heads * kv_stride;
+      // scores [group·n, Lp] = q [group·n, Dh] · K^T, per (sequence, kv head)
+      gemm.run(group_rows, padded, dh, {q_chunk, dh, false}, {k_layer + cache_offset, dh, true}, scores.data(), padded,
+               GemmOutput::f32, 0.0f, stream, GemmEpilogue::none, per_kv_head);
+      mk::causal_softmax(scores.data(), int64_t{count} * c.n_heads * n, n, start, padded, scale, probs.data(), stream);
+      // heads [group·n, Dh] = P [group·n, Lp] · V [Lp, Dh]
+      const GemmBatch pv{count * c.n_kv_heads, group_rows * padded, kv_stride, group_rows * dh};
+      gemm.run(group_rows, dh, padded, {probs.data(), padded, false}, {v_layer + cache_offset, dh, false}, heads.data(),
+               dh, GemmOutput::bf16, 0.0f, stream, GemmEpilogue::none, pv);
+      const mk::AttentionShape shape{count, n, c.n_heads, c.n_kv_heads, dh, cache_stride};
+      mk::heads_to_tokens(heads.data(), shape, attention.data() + int64_t{first} * n * q_dim(), stream);
+    }
+  }
+
+  void ffn(int32_t layer_index, int32_t n) {
+    DeviceLayer& layer = layers[layer_index];
+    const int64_t rows = int64_t{batch} * n, count = rows * config.d_model;
+    if (path == FfnPath::predict && rows <= kDecodeMaxRows) {
+      layer.decode->run(normed.data(), rows, predictors[layer_index], ffn_out_f32.data(), stream);
+      mk::add_residual(hidden.data(), ffn_out_f32.data(), count, stream);
+      return;
+    }
+    if (path == FfnPath::dense)
+      (n == 1 ? dense_decode : dense_batch)
+          .run(normed.data(), rows, layer.ffn, ffn_out.data(), stream,
+               GateActivation{config.activation, config.activation_threshold});
+    else {
+      sparse->run(normed.data(), rows, layer.ffn, ffn_out.data(), stream);
+      ++(sparse->last_call_was_dense() ? sparse_calls.dense : sparse_calls.twell);
+    }
+    mk::add_residual(hidden.data(), ffn_out.data(), count, stream);
+  }
+
+  // Enqueues one step of n tokens per sequence from tokens[]; no host synchronization.
+  void enqueue(int32_t n, bool with_lm_head, bool all_logits) {
+    const ModelConfig& c = config;
+    const int64_t rows = int64_t{batch} * n, d = c.d_model;
+    const mk::AttentionShape shape{batch, n, c.n_heads, c.n_kv_heads, c.head_dim, cache_stride};
+    const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+    const float eps = static_cast<float>(c.rms_norm_eps);
+    mk::embed(tokens.data(), rows, embedding.get(), c.d_model, hidden.data(), stream);
+    for (int32_t index = 0; index < c.n_layers; ++index) {
+      DeviceLayer& layer = layers[index];
+      bf16* k_layer = k_cache.data() + index * cache_layer_elements();
+      bf16* v_layer = v_cache.data() + index * cache_layer_elements();
+      mk::rms_norm(hidden.data(), rows, 0, 1, c.d_model, layer.attn_norm.get(), eps, normed.data(), stream);
+      gemm.run(rows, qkv_width(), d, {normed.data(), d, false}, {layer.wqkv.get(), d, true}, qkv.data(), qkv_width(),
+               GemmOutput::bf16, 0.0f, stream);
+      mk::qkv_rope(qkv.data(), layer.bqkv.get(), shape, length_device.data(), static_cast<float>(c.rope_theta), q.data(),
+                   k_layer, v_layer, stream);
+      if (n == 1)
+        mk::decode_attention(q.data(), k_layer, v_layer, shape, length_device.data(), scale, attention.data(), stream);
+      else
+        prefill_attention(n, k_layer, v_layer);
+      // h [rows, D] += attention [rows, H_q·Dh] · Wo^T, accumulated in fp32 by the GEMM
+      gemm.run(rows, d, q_dim(), {attention.data(), q_dim(), false}, {layer.wo.get(), q_dim(), true}, hidden.data(), d,
+               GemmOutput::f32, 1.0f, stream);
+      mk::rms_norm(hidden.data(), rows, 0, 1, c.d_model, layer.ffn_norm.get(), eps, normed.data(), stream);
+      ffn(index, n);
+    }
+    mk::advance_length(length_device.data(), n, stream);
+    if (!with_lm_head) return;
+    const int64_t out_rows = all_logits ? rows : batch;
+    mk::rms_norm(hidden.data(), out_rows, all_logits ? 0 : n - 1, all_logits ? 1 : n, c.d_model, final_norm.get(), eps,
+                 normed.data(), stream);
+    const bf16* output = lm_head ? lm_head.get() : embedding.get();
+    gemm.run(out_rows, c.vocab_size, d, {normed.data(), d, false}, {output, d, true}, logits.data(), c.vocab_size,
+             GemmOutput::f32, 0.0f, stream);
+    if (!all_logits)
+      mk::argmax_tokens(logits.data(), batch, c.vocab_size, length_device.data(), tokens.data(), history.data(),
+                        cache_stride, stream);
+  }
+
+  // One step, through a CUDA graph where possible: the first step of a shape runs eagerly (plans,
+  // buffers), the second is captured, every later one replays.
+  void step(int32_t n, bool with_lm_head, bool all_logits) {
+    reserve(n, with_lm_head, all_logits);
+    if (!graph_capturable(n, all_logits)) {
+      enqueue(n, with_lm_head, all_logits);
+      after_eager_step();
+      return;
+    }
+    const std::pair<int32_t, bool> key{batch, with_lm_head};
+    if (auto found = graphs.find(key); found != graphs.end()) {
+      TWELL_CUDA_CHECK(cudaGraphLaunch(found->second, stream));
+      ++replays;
+      return;
+    }
+    if (!warmed.count(key)) {
+      enqueue(n, with_lm_head, all_logits);
+      after_eager_step();
+      warmed.insert(key);
+      return;
+    }
+    cudaGraph_t graph = nullptr;
+    TWELL_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    try {
+      enqueue(n, with_lm_head, all_logits);
+    } catch (...) {
+      cudaStreamEndCapture(stream, &graph);
+      if (graph) cudaGraphDestroy(graph);
+      throw;
+    }
+    TWELL_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t status = cudaGraphInstantiate(&exec, graph, 0);
+    cudaGraphDestroy(graph);
+    TWELL_CUDA_CHECK(status);
+    graphs.emplace(key, exec);
+    TWELL_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    ++replays;
+  }
+
+  void after_eager_step() {
+    if (dense_decode.scratch_bytes() != dense_decode_bytes) {  // it grew: graphs may hold its old buffers
+      drop_graphs();
+      dense_decode_bytes = dense_decode.scratch_bytes();
+    }
+  }
+
+  void require_reset() const { TWELL_REQUIRE(batch > 0, "CudaModel: call reset(batch, capacity) before running it"); }
+};
+
+namespace {
+
+// Checked before Impl's members (cuBLASLt handles among them) would fail with a less useful message.
+void require_gpu() { TWELL_REQUIRE(available(), "--device cuda: no usable CUDA device (the CUDA runtime found none)"); }
+
+}  // namespace
+
+CudaModel::CudaModel(const Model& host, CudaModelOptions options) : impl_((require_gpu(), std::make_unique<Impl>())) {
+  Impl& m = *impl_;
+  m.config = host.config();
+  m.options = options;
+  const ModelConfig& c = m.config;
+  TWELL_REQUIRE(c.head_dim % 2 == 0 && c.head_dim <= 1024, "CUDA runtime: head_dim must be even and <= 1024, got {}",
+                c.head_dim);
+  TWELL_REQUIRE(c.n_heads % c.n_kv_heads == 0, "CUDA runtime: n_heads ({}) must be a multiple of n_kv_heads ({})",
+                c.n_heads, c.n_kv_heads);
+  const ModelWeights& w = host.weights();
+  m.embedding = upload_bf16(w.embedding.data(), w.embedding.size());
+  if (!w.lm_head.empty()) m.lm_head = upload_bf16(w.lm_head.data(), w.lm_head.size());
+  m.final_norm = upload_f32(w.final_norm);
+  m.layers.resize(c.n_layers);  // never resized again: DecodeLayer keeps pointers to the FFN weights
+  for (int32_t i = 0; i < c.n_layers; ++i) {
+    const LayerWeights& from = w.layers[i];
+    DeviceLayer& to = m.layers[i];
+    to.attn_norm = upload_f32(from.attn_norm);
+    to.ffn_norm = upload_f32(from.ffn_norm);
+    std::vector<float> stacked(from.wq);
+    stacked.insert(stacked.end(), from.wk.begin(), from.wk.end());
+    stacked.insert(stacked.end(), from.wv.begin(), from.wv.end());
+    to.wqkv = upload_bf16(stacked.data(), stacked.size());
+    if (c.qkv_bias) {
+      std::vector<float> bias(from.bq);
+      bias.insert(bias.end(), from.bk.begin(), from.bk.end());
+      bias.insert(bias.end(), from.bv.begin(), from.bv.end());
+      to.bqkv = upload_f32(bias);
+    }
+    to.wo = upload_bf16(from.wo.data(), from.wo.size());
+    to.ffn = upload_weights(from.ffn);
+    if (c.activation == FfnActivation::relu)
+      to.signs = pack_sign_bits(from.ffn.relu_projection().data(), c.d_hidden, c.d_model);
+  }
+  TWELL_CUDA_CHECK(cudaDeviceSynchronize());
+  TWELL_CUDA_CHECK(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking));
+  m.length_device.resize(1);
+}
+
+CudaModel::~CudaModel() {
+  if (!impl_) return;
+  if (impl_->stream) cudaStreamSynchronize(impl_->stream);
+  impl_->drop_graphs();
+  impl_->sparse.reset();
+  if (impl_->stream) cudaStreamDestroy(impl_->stream);
+}
+
+const ModelConfig& CudaModel::config() const { return impl_->config; }
+FfnPath CudaModel::ffn_path() const { return impl_->path; }
+int32_t CudaModel::batch() const { return impl_->batch; }
+int32_t CudaModel::length() const { return impl_->length; }
+int64_t CudaModel::graph_replays() const { return impl_->replays; }
+
+void CudaModel::set_ffn_path(FfnPath path) {
+  Impl& m = *impl_;
+  const ModelConfig& c = m.config;
+  if (path != FfnPath::dense)
+    TWELL_REQUIRE(c.activation == FfnActivation::relu, "--ffn {} needs a ReLU FFN; this model's activation is {}{}",
+                  to_string(path), to_string(c.activation),
+                  c.activation == FfnActivation::fatrelu ? " (threshold > 0: the sparse kernels implement plain relu)" : "");
+  if (path != FfnPath::dense && !m.sparse)
+    m.sparse = std::make_unique<SparseFfn>(SparseFfnOptions{.allow_dense = m.options.ffn_dispatch});
+  if (path == FfnPath::predict && !m.layers.empty() && !m.layers[0].decode) {
+    for (DeviceLayer& layer : m.layers) layer.decode = std::make_unique<DecodeLayer>(layer.ffn, layer.signs);
+    // Until calibrated, the sign rule with an alpha so large that no neuron is predicted zero: exact.
+    m.predictors.assign(c.n_layers, PredictorConfig{PredictorKind::sign_rule, 1e9, 0.0});
+  }
+  m.drop_graphs();
+  m.path = path;
+}
+
+void CudaModel::set_predictor(const std::vector<PredictorConfig>& per_layer) {
+  Impl& m = *impl_;
+  TWELL_REQUIRE(m.path == FfnPath::predict, "set_predictor: select the predict path first");
+  TWELL_REQUIRE(static_cast<int32_t>(per_layer.size()) == m.config.n_layers,
+                "set_predictor: expected one config per layer ({}), got {}", m.config.n_layers, per_layer.size());
+  m.predictors = per_layer;
+  m.drop_graphs();  // the graphs hold the old settings as kernel arguments
+}
+
+void CudaModel::set_decode_graphs(bool enabled) {
+  impl_->options.decode_graphs = enabled;
+  impl_->drop_graphs();
+}
+
+void CudaModel::set_ffn_dispatch(bool enabled) {
+  Impl& m = *impl_;
+  m.options.ffn_dispatch = enabled;
+  if (m.sparse) m.sparse = std::make_unique<SparseFfn>(SparseFfnOptions{.allow_dense = enabled});
+}
+
+CudaModel::FfnCalls CudaModel::sparse_ffn_calls() const { return impl_->sparse_calls; }
+
+void CudaModel::reset(int32_t batch, int32_t capacity) {
+  Impl& m = *impl_;
+  const ModelConfig& c = m.config;
+  TWELL_REQUIRE(batch >= 1, "batch must be >= 1, got {}", batch);
+  TWELL_REQUIRE(capacity >= 1, "KV cache capacity must be >= 1, got {}", capacity);
+  const int32_t stride = round_up(capacity, kPositionAlign);
+  const int32_t most = mk::decode_attention_max_positions(c.head_dim);
+  TWELL_REQUIRE(stride <= most, "KV cache capacity {} exceeds the {} positions the decode attention kernel holds",
+                capacity, most);
+  if (batch != m.batch || stride != m.cache_stride) m.drop_graphs();
+  m.batch = batch;
+  m.capacity = capacity;
+  m.cache_stride = stride;
+  const int64_t cache_elements = int64_t{c.n_layers} * m.cache_layer_elements();
+  m.grow(m.k_cache, cache_elements);
+  m.grow(m.v_cache, cache_elements);
+  m.grow(m.tokens, int64_t{batch} * capacity);
+  m.grow(m.history, int64_t{batch} * stride);
+  // Zeros, so the padded positions a prefill GEMM reads past the sequence are finite (their
+  // probabilities are 0, and 0·NaN would not be).
+  TWELL_CUDA_CHECK(cudaMemsetAsync(m.k_cache.data(), 0, cache_elements * sizeof(bf16), m.stream));
+  TWELL_CUDA_CHECK(cudaMemsetAsync(m.v_cache.data(), 0, cache_elements * sizeof(bf16), m.stream));
+  TWELL_CUDA_CHECK(cudaMemsetAsync(m.length_device.data(), 0, sizeof(int32_t), m.stream));
+  m.length = 0;
+  m.next_tokens_ready = false;
+  m.replays = 0;
+  m.sparse_calls = {};
+}
+
+void CudaModel::forward(const int32_t* tokens, int32_t n, float* logits, bool all_logits) {
+  Impl& m = *impl_;
+  const ModelConfig& c = m.config;
+  m.require_reset();
+  TWELL_REQUIRE(n >= 1, "forward: needs at least one token, got {}", n);
+  TWELL_REQUIRE(m.length + n <= m.capacity, "forward: {} cached + {} new positions exceed the cache capacity {}",
+                m.length, n, m.capacity);
+  const int64_t rows = int64_t{m.batch} * n;
+  for (int64_t i = 0; i < rows; ++i)
+    TWELL_REQUIRE(tokens[i] >= 0 && tokens[i] < c.vocab_size, "forward: token {} at index {} is outside [0, {})",
+                  tokens[i], i, c.vocab_size);
+  TWELL_CUDA_CHECK(cudaMemcpyAsync(m.tokens.data(), tokens, rows * sizeof(int32_t), cudaMemcpyHostToDevice, m.stream));
+  m.step(n, logits != nullptr, all_logits);
+  m.length += n;
+  m.next_tokens_ready = logits != nullptr && !all_logits;
+  if (logits == nullptr) return;
+  const int64_t out_rows = all_logits ? rows : m.batch;
+  m.logits.download(logits, out_rows * c.vocab_size, m.stream);
+}
+
+void CudaModel::decode_greedy(int32_t steps, int32_t* tokens) {
+  Impl& m = *impl_;
+  m.require_reset();
+  TWELL_REQUIRE(steps >= 0, "decode_greedy: steps must be >= 0, got {}", steps);
+  TWELL_REQUIRE(m.next_tokens_ready, "decode_greedy: run forward() with logits (last positions) first");
+  TWELL_REQUIRE(m.length + steps <= m.capacity, "decode_greedy: {} cached + {} steps exceed the cache capacity {}",
+                m.length, steps, m.capacity);
+  const int32_t first = m.length - 1;  // history index of the first fed token
+  for (int32_t s = 0; s < steps; ++s) {
+    m.step(1, true, false);
+    ++m.length;
+  }
+  if (tokens == nullptr || steps == 0) return;
+  TWELL_CUDA_CHECK(cudaMemcpy2DAsync(tokens, steps * sizeof(int32_t), m.history.data() + first,
+                                     m.cache_stride * sizeof(int32_t), steps * sizeof(int32_t), m.batch,
+                                     cudaMemcpyDeviceToHost, m.stream));
+  synchronize();
+}
+
+void CudaModel::synchronize() { TWELL_CUDA_CHECK(cudaStreamSynchronize(impl_->stream)); }
+
+}  // namespace twell::cuda

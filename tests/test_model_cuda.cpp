@@ -1,0 +1,268 @@
+// The CUDA model runtime (twell/model_cuda.h) against HF transformers' golden logits and greedy
+// continuations (tests/fixtures/models/*), the CPU runtime, and itself: every FFN path, batches of
+// sequences, CUDA-graph decode steps. Skipped where no GPU is present (one test checks the refusal).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "twell/cuda.h"
+#include "twell/error.h"
+#include "twell/model.h"
+#include "twell/model_cuda.h"
+
+namespace twell {
+namespace {
+
+std::string model_dir(const std::string& name) {
+  return (std::filesystem::path(__FILE__).parent_path() / "fixtures" / "models" / name).string();
+}
+
+struct Golden {
+  std::vector<int32_t> prompt;
+  std::vector<std::vector<double>> logits;  // [n, V]
+  std::vector<int32_t> greedy;
+};
+
+Golden read_golden(const std::string& name) {
+  std::ifstream stream(std::filesystem::path(model_dir(name)) / "golden.json");
+  const nlohmann::json json = nlohmann::json::parse(stream);
+  return {json["prompt"].get<std::vector<int32_t>>(), json["logits"].get<std::vector<std::vector<double>>>(),
+          json["greedy"].get<std::vector<int32_t>>()};
+}
+
+template <typename Expected>
+double relative_l2(const float* got, const Expected& expected) {
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < expected.size(); ++i) {
+    diff += (got[i] - expected[i]) * (got[i] - expected[i]);
+    norm += static_cast<double>(expected[i]) * expected[i];
+  }
+  return std::sqrt(diff / norm);
+}
+
+// bf16 weights and activations against HF's fp32 run: measured errors are printed; the bound is the
+// bf16 tolerance of the project (relative L2 about 1e-2).
+constexpr double kLogitTolerance = 2e-2;
+
+// Prefill, then greedy steps through forward() one token at a time (the host path of generate).
+std::vector<int32_t> greedy_tokens(cuda::CudaModel& gpu, const std::vector<int32_t>& prompt, int32_t new_tokens) {
+  const int32_t vocab = gpu.config().vocab_size;
+  gpu.reset(1, static_cast<int32_t>(prompt.size()) + new_tokens);
+  std::vector<float> logits(vocab, NAN);
+  gpu.forward(prompt.data(), static_cast<int32_t>(prompt.size()), logits.data());
+  Sampler greedy(SamplerConfig{});
+  std::vector<int32_t> tokens;
+  for (int32_t step = 0; step < new_tokens; ++step) {
+    tokens.push_back(greedy.sample(logits.data(), vocab));
+    std::fill(logits.begin(), logits.end(), NAN);
+    if (step + 1 < new_tokens) gpu.forward(&tokens.back(), 1, logits.data());
+  }
+  return tokens;
+}
+
+class CudaModelTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!cuda::available()) GTEST_SKIP() << "no CUDA device";
+  }
+};
+
+class CudaGolden : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    if (!cuda::available()) GTEST_SKIP() << "no CUDA device";
+  }
+};
+
+// Every prompt position's logits (prefill through the batched attention GEMMs, then one position at
+// a time through the decode attention kernel), and HF's greedy continuation: the fixtures' smallest
+// top-2 margin (0.066) is several times the logit error bf16 causes, so the tokens must be equal.
+TEST_P(CudaGolden, MatchesTransformers) {
+  const Golden golden = read_golden(GetParam());
+  const Model host = Model::load(model_dir(GetParam()));
+  cuda::CudaModel gpu(host);
+  const int32_t n = static_cast<int32_t>(golden.prompt.size());
+  const int32_t vocab = gpu.config().vocab_size;
+
+  gpu.reset(1, n);
+  std::vector<float> logits(static_cast<size_t>(n) * vocab, NAN);
+  gpu.forward(golden.prompt.data(), n, logits.data(), /*all_logits=*/true);
+  double worst = 0;
+  for (int32_t i = 0; i < n; ++i) {
+    const double error = relative_l2(logits.data() + static_cast<size_t>(i) * vocab, golden.logits[i]);
+    EXPECT_LT(error, kLogitTolerance) << "prefill position " << i;
+    worst = std::max(worst, error);
+  }
+  gpu.reset(1, n);
+  std::vector<float> step_logits(vocab, NAN);
+  for (int32_t i = 0; i < n; ++i) {
+    gpu.forward(&golden.prompt[i], 1, step_logits.data());
+    const double error = relative_l2(step_logits.data(), golden.logits[i]);
+    EXPECT_LT(error, kLogitTolerance) << "decode position " << i;
+    worst = std::max(worst, error);
+  }
+  std::printf("[ %s ] worst logits relative L2 vs HF: %.3g\n", GetParam().c_str(), worst);
+  EXPECT_EQ(greedy_tokens(gpu, golden.prompt, static_cast<int32_t>(golden.greedy.size())), golden.greedy);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, CudaGolden, ::testing::Values("llama", "qwen2", "sparselm", "prosparse"),
+                         [](const auto& info) { return info.param; });
+
+// The TwELL path (forced, no dense fallback) and the predictor path (exact until calibrated, then
+// calibrated for 100% recall on the prompt) give HF's logits within bf16 tolerance and its tokens.
+TEST_F(CudaModelTest, SparsePathsMatchTransformers) {
+  const Golden golden = read_golden("sparselm");
+  Model host = Model::load(model_dir("sparselm"));
+  cuda::CudaModel gpu(host, cuda::CudaModelOptions{.ffn_dispatch = false});
+  const int32_t n = static_cast<int32_t>(golden.prompt.size());
+  const int32_t vocab = gpu.config().vocab_size;
+  for (FfnPath path : {FfnPath::twell, FfnPath::predict}) {
+    SCOPED_TRACE(to_string(path));
+    gpu.set_ffn_path(path);
+    gpu.reset(1, n);
+    std::vector<float> logits(static_cast<size_t>(n) * vocab, NAN);
+    gpu.forward(golden.prompt.data(), n, logits.data(), true);
+    for (int32_t i = 0; i < n; ++i)
+      EXPECT_LT(relative_l2(logits.data() + static_cast<size_t>(i) * vocab, golden.logits[i]), kLogitTolerance) << i;
+    EXPECT_EQ(greedy_tokens(gpu, golden.prompt, static_cast<int32_t>(golden.greedy.size())), golden.greedy);
+  }
+  host.set_ffn_path(FfnPath::predict);
+  std::vector<PredictorConfig> calibrated;
+  for (const Calibration& layer : host.calibrate_predictor(golden.prompt, PredictorKind::one_bit_gate, 1.0))
+    calibrated.push_back(layer.config);
+  gpu.set_predictor(calibrated);
+  EXPECT_EQ(greedy_tokens(gpu, golden.prompt, 1), std::vector<int32_t>(1, golden.greedy[0]));
+}
+
+// B sequences in one call give each sequence's single-sequence results (rows > 16, so the predict
+// path runs its prefill through SparseFfn), for every path.
+TEST_F(CudaModelTest, BatchOfSequencesMatchesOneAtATime) {
+  const Golden golden = read_golden("sparselm");
+  const Model host = Model::load(model_dir("sparselm"));
+  cuda::CudaModel gpu(host, cuda::CudaModelOptions{.ffn_dispatch = false});
+  const int32_t n = static_cast<int32_t>(golden.prompt.size()), vocab = gpu.config().vocab_size;
+  constexpr int32_t kBatch = 3, kSteps = 6;
+  std::vector<int32_t> prompts;
+  for (int32_t b = 0; b < kBatch; ++b)
+    for (int32_t i = 0; i < n; ++i) prompts.push_back(golden.prompt[(i + 3 * b) % n]);
+  for (FfnPath path : {FfnPath::dense, FfnPath::twell, FfnPath::predict}) {
+    SCOPED_TRACE(to_string(path));
+    gpu.set_ffn_path(path);
+    gpu.reset(kBatch, n + kSteps);
+    std::vector<float> batch_logits(static_cast<size_t>(kBatch) * vocab);
+    gpu.forward(prompts.data(), n, batch_logits.data());
+    std::vector<int32_t> batch_tokens(kBatch * kSteps, -1);
+    gpu.decode_greedy(kSteps, batch_tokens.data());
+    for (int32_t b = 0; b < kBatch; ++b) {
+      const std::vector<int32_t> prompt(prompts.begin() + b * n, prompts.begin() + (b + 1) * n);
+      gpu.reset(1, n + kSteps);
+      std::vector<float> logits(vocab);
+      gpu.forward(prompt.data(), n, logits.data());
+      EXPECT_LT(relative_l2(batch_logits.data() + static_cast<size_t>(b) * vocab, logits), 1e-2) << "sequence " << b;
+      std::vector<int32_t> tokens(kSteps, -1);
+      gpu.decode_greedy(kSteps, tokens.data());
+      EXPECT_EQ(std::vector<int32_t>(batch_tokens.begin() + b * kSteps, batch_tokens.begin() + (b + 1) * kSteps), tokens)
+          << "sequence " << b;
+    }
+  }
+}
+
+// Decode steps replayed from CUDA graphs give the tokens (and, on the deterministic dense path, the
+// bit-identical logits) of steps launched one kernel at a time.
+TEST_F(CudaModelTest, GraphDecodeMatchesEagerDecode) {
+  const ModelConfig config = synthetic_model_config("tiny");
+  const Model host(config, make_synthetic_weights(config, 0.05, 3));
+  cuda::CudaModel gpu(host);
+  const std::vector<int32_t> prompt = {5, 17, 200, 3, 99, 42, 7};
+  const int32_t n = static_cast<int32_t>(prompt.size());
+  constexpr int32_t kSteps = 24;
+  for (FfnPath path : {FfnPath::dense, FfnPath::predict}) {
+    SCOPED_TRACE(to_string(path));
+    gpu.set_ffn_path(path);
+    std::vector<std::vector<int32_t>> tokens;
+    std::vector<std::vector<float>> last_logits;
+    for (bool graphs : {false, true}) {
+      gpu.set_decode_graphs(graphs);
+      gpu.reset(2, n + kSteps + 1);
+      std::vector<int32_t> two_prompts(prompt);
+      two_prompts.insert(two_prompts.end(), prompt.rbegin(), prompt.rend());
+      std::vector<float> logits(2 * static_cast<size_t>(config.vocab_size));
+      gpu.forward(two_prompts.data(), n, logits.data());
+      tokens.emplace_back(2 * kSteps);
+      gpu.decode_greedy(kSteps, tokens.back().data());
+      EXPECT_EQ(gpu.graph_replays() > 0, graphs);
+      const std::vector<int32_t> next = {tokens.back()[kSteps - 1], tokens.back()[2 * kSteps - 1]};
+      gpu.forward(next.data(), 1, logits.data());  // through forward(): the graph of the step with copied logits
+      last_logits.push_back(logits);
+    }
+    EXPECT_EQ(tokens[0], tokens[1]);
+    if (path == FfnPath::dense) EXPECT_EQ(last_logits[0], last_logits[1]);
+    else EXPECT_LT(relative_l2(last_logits[1].data(), last_logits[0]), 1e-5);
+  }
+}
+
+// The CUDA runtime and the CPU runtime agree on a synthetic model (tokens of a greedy run).
+TEST_F(CudaModelTest, SyntheticModelMatchesCpu) {
+  const ModelConfig config = synthetic_model_config("tiny");
+  Model host(config, make_synthetic_weights(config, 0.05, 5));
+  cuda::CudaModel gpu(host);
+  const std::vector<int32_t> prompt = {1, 2, 3, 250, 128, 64, 32, 16, 8};
+  const int32_t n = static_cast<int32_t>(prompt.size());
+  KvCache cache = host.new_cache(n);
+  std::vector<float> cpu_logits(static_cast<size_t>(n) * config.vocab_size), gpu_logits(cpu_logits.size());
+  host.forward(prompt.data(), n, cache, cpu_logits.data(), true);
+  gpu.reset(1, n);
+  gpu.forward(prompt.data(), n, gpu_logits.data(), true);
+  const double error = relative_l2(gpu_logits.data(), cpu_logits);
+  std::printf("[ synthetic tiny ] logits relative L2, CUDA vs CPU: %.3g\n", error);
+  EXPECT_LT(error, kLogitTolerance);
+}
+
+TEST_F(CudaModelTest, RefusesBadInput) {
+  const Model silu = Model::load(model_dir("llama"));
+  cuda::CudaModel gpu(silu);
+  EXPECT_THROW(gpu.set_ffn_path(FfnPath::twell), Error);
+  std::vector<float> logits(gpu.config().vocab_size);
+  const int32_t token = 1;
+  EXPECT_THROW(gpu.forward(&token, 1, logits.data()), Error);  // no reset() yet
+  gpu.reset(1, 2);
+  const int32_t out_of_vocab = gpu.config().vocab_size;
+  EXPECT_THROW(gpu.forward(&out_of_vocab, 1, logits.data()), Error);
+  const std::vector<int32_t> three = {1, 2, 3};
+  EXPECT_THROW(gpu.forward(three.data(), 3, logits.data()), Error);  // over capacity
+  EXPECT_THROW(gpu.decode_greedy(1), Error);                          // no logits to start from
+  EXPECT_THROW(gpu.reset(0, 4), Error);
+  EXPECT_THROW(gpu.set_predictor({}), Error);  // not on the predict path
+}
+
+// Without a GPU the runtime refuses with a message instead of failing later.
+TEST(CudaModelWithoutGpu, RefusesToStart) {
+  if (cuda::available()) GTEST_SKIP() << "a CUDA device is present";
+  const Model host = Model::load(model_dir("llama"));
+  try {
+    cuda::CudaModel gpu(host);
+    FAIL() << "CudaModel started without a GPU";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("no usable CUDA device"), std::string::npos) << error.what();
+  }
+}
+
+// NVML through dlopen: where it is present the counter is finite and does not run backwards.
+TEST(EnergyCounter, ReadsOrSaysWhyNot) {
+  cuda::EnergyCounter energy;
+  if (!energy.available()) {
+    EXPECT_FALSE(energy.why_unavailable().empty());
+    EXPECT_TRUE(std::isnan(energy.joules()));
+    return;
+  }
+  const double first = energy.joules();
+  EXPECT_TRUE(std::isfinite(first));
+  EXPECT_GE(energy.joules(), first);
+}
+
+}  // namespace
+}  // namespace twell
