@@ -94,30 +94,53 @@ cpu::Isa parse_isa(const std::string& name) {
 
 // ---- Driver ----
 
-// What the workload itself says, from the float64 reference on input set 0.
+// What the workload itself says, from the float64 reference on input set 0, over `rows` spread
+// over M (all of M when it has no more rows than that): the full reference is O(M·H·D) in float64,
+// hours of CPU at M = 65536.
 struct WorkloadFacts {
-  std::vector<double> y_ref;    // [M, D]
-  double nnz_per_row = 0;       // mean non-zeros per row of the relu projection
-  int64_t active_neurons = 0;   // neurons non-zero in at least one row (the up/down rows a sparse FFN must read)
+  std::vector<int64_t> rows;    // the rows checked, ascending
+  std::vector<double> y_ref;    // [rows.size(), D]
+  double nnz_per_row = 0;       // mean non-zeros per row of the relu projection, over `rows`
+  // Neurons non-zero in at least one row (the up/down rows a sparse FFN must read): counted when every
+  // row is checked, else bounded from above by min(H, nnz_per_row·M).
+  int64_t active_neurons = 0;
+  bool active_neurons_exact = true;
 };
 
-WorkloadFacts reference_facts(const Workload& work) {
+WorkloadFacts reference_facts(const Workload& work, int reference_rows) {
   const int64_t rows = work.spec.rows;
-  const int32_t h = work.spec.d_hidden;
-  const std::vector<double> g = ref::relu_projection(work.x.data(), rows, work.weights);  // [M, H]
+  const int32_t d = work.spec.d_model, h = work.spec.d_hidden;
   WorkloadFacts facts;
+  const int64_t checked = reference_rows <= 0 ? rows : std::min<int64_t>(rows, reference_rows);
+  std::vector<float> x(static_cast<size_t>(checked) * d);  // [checked, D]
+  for (int64_t i = 0; i < checked; ++i) {
+    facts.rows.push_back(i * rows / checked);
+    std::copy_n(work.x.data() + facts.rows.back() * d, d, x.data() + i * d);
+  }
+  const std::vector<double> g = ref::relu_projection(x.data(), checked, work.weights);  // [checked, H]
   int64_t nnz = 0;
   std::vector<bool> active(h, false);
-  for (int64_t m = 0; m < rows; ++m)
+  for (int64_t m = 0; m < checked; ++m)
     for (int32_t j = 0; j < h; ++j)
       if (g[m * h + j] > 0) {
         ++nnz;
         active[j] = true;
       }
-  facts.nnz_per_row = static_cast<double>(nnz) / static_cast<double>(rows);
-  facts.active_neurons = std::count(active.begin(), active.end(), true);
-  facts.y_ref = ref::ffn_dense(work.x.data(), rows, work.weights);
+  facts.nnz_per_row = static_cast<double>(nnz) / static_cast<double>(checked);
+  facts.active_neurons_exact = checked == rows;
+  facts.active_neurons = facts.active_neurons_exact
+                             ? std::count(active.begin(), active.end(), true)
+                             : std::min<int64_t>(h, std::llround(facts.nnz_per_row * static_cast<double>(rows)));
+  facts.y_ref = ref::ffn_dense(x.data(), checked, work.weights);
   return facts;
+}
+
+// Relative L2 error of y [M, D] on the checked rows.
+double reference_error(const WorkloadFacts& facts, const std::vector<float>& y, int32_t d) {
+  std::vector<float> checked(facts.rows.size() * d);
+  for (size_t i = 0; i < facts.rows.size(); ++i)
+    std::copy_n(y.data() + facts.rows[i] * d, d, checked.data() + i * d);
+  return relative_l2_error(checked.data(), facts.y_ref.data(), checked.size());
 }
 
 // Bytes of weights an implementation has to read at least, and the flops it has to do at least.
@@ -152,6 +175,8 @@ void validate_options(const FfnBenchOptions& options) {
   TWELL_REQUIRE(options.input_sets >= 1, "--inputs must be >= 1, got {}", options.input_sets);
   TWELL_REQUIRE(options.warmup >= 0, "--warmup must be >= 0, got {}", options.warmup);
   TWELL_REQUIRE(options.reps >= 1, "--reps must be >= 1, got {}", options.reps);
+  TWELL_REQUIRE(options.reference_rows >= 0, "--reference-rows must be >= 0 (0 = all rows), got {}",
+                options.reference_rows);
   TWELL_REQUIRE(options.clock == "wall" || (options.clock == "thread-cpu" && options.device == "cpu" && options.threads == 1),
                 "--clock must be wall, or thread-cpu with --device cpu --threads 1 (all work on one thread); got "
                 "--clock {} --device {} --threads {}",
@@ -196,7 +221,7 @@ void run_ffn_bench(const FfnBenchOptions& options) {
       std::vector<std::vector<float>> inputs = {work.x};
       for (int i = 1; i < options.input_sets; ++i)
         inputs.push_back(make_activations(rows, options.d_model, options.seed + 1000 * static_cast<uint64_t>(i)));
-      const WorkloadFacts facts = reference_facts(work);
+      const WorkloadFacts facts = reference_facts(work, options.reference_rows);
 
       double dense_median_ms = 0;
       for (const auto& impl : device.impls) {
@@ -206,8 +231,9 @@ void run_ffn_bench(const FfnBenchOptions& options) {
         for (int i = 0; i < options.reps; ++i) samples.push_back(impl->run_ms(i % options.input_sets));
         impl->run_ms(0);
         const std::vector<float> y = impl->output();
-        TWELL_REQUIRE(y.size() == facts.y_ref.size(), "impl {} returned {} outputs, expected M*D = {}", impl->name(),
-                      y.size(), facts.y_ref.size());
+        const size_t outputs = static_cast<size_t>(rows) * options.d_model;
+        TWELL_REQUIRE(y.size() == outputs, "impl {} returned {} outputs, expected M*D = {}", impl->name(), y.size(),
+                      outputs);
 
         BenchRecord record;
         record.bench = "ffn";
@@ -220,7 +246,7 @@ void run_ffn_bench(const FfnBenchOptions& options) {
         record.target_density = density;
         record.nnz_per_row = facts.nnz_per_row;
         record.timing = summarize_ms(samples);
-        record.rel_err = relative_l2_error(y.data(), facts.y_ref.data(), y.size());
+        record.rel_err = reference_error(facts, y, options.d_model);
         record.peak_bytes = impl->peak_bytes();
         record.commit = commit;
         record.date = date;
@@ -233,10 +259,13 @@ void run_ffn_bench(const FfnBenchOptions& options) {
                         {"weight_gb_per_s", napkin.weight_bytes / seconds * 1e-9},
                         {"gflop_per_s", napkin.flops / seconds * 1e-9},
                         {"active_neurons", facts.active_neurons},
+                        {"active_neurons_exact", facts.active_neurons_exact},
+                        {"reference_rows", static_cast<int64_t>(facts.rows.size())},
                         {"tile", options.tile},
                         {"compression", options.compression},
                         {"gated", options.gated},
                         {"input_sets", options.input_sets}};
+        record.extra.update(impl->extra_measurements(options.reps));
         if (options.device == "cpu") {
           record.extra["threads"] = cpu::num_threads();
           record.extra["isa"] = cpu::to_string(cpu::active_isa());
@@ -246,6 +275,9 @@ void run_ffn_bench(const FfnBenchOptions& options) {
                    rows, density, facts.nnz_per_row, record.impl, record.timing.median_ms, record.timing.p10_ms,
                    record.timing.p90_ms, napkin.weight_bytes / seconds * 1e-9, napkin.flops / seconds * 1e-9,
                    record.rel_err, speedup);
+        if (record.extra.contains("gate_ms") && record.extra.contains("ffn_from_twell_ms"))
+          fmt::print("{:>35} gate {:.3f} ms, up+down {:.3f} ms (each alone)\n", "", record.extra["gate_ms"].get<double>(),
+                     record.extra["ffn_from_twell_ms"].get<double>());
         std::fflush(stdout);
         records.push_back(std::move(record));
       }
@@ -295,6 +327,9 @@ void add_bench_ffn(CLI::App& bench) {
   command->add_option("--isa", options->isa, "CPU kernels: scalar, avx2 or avx512 (default: the best this CPU has)");
   command->add_option("--clock", options->clock,
                       "CPU timing: wall, or thread-cpu (needs --threads 1; robust on a shared machine)")
+      ->capture_default_str();
+  command->add_option("--reference-rows", options->reference_rows,
+                      "rows spread over M checked against the float64 reference (0 = all)")
       ->capture_default_str();
   command->add_option("--inputs", options->input_sets, "activation sets rotated between reps")->capture_default_str();
   command->add_option("--warmup", options->warmup, "untimed runs per implementation and shape")->capture_default_str();

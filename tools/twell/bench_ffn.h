@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "twell/bench_record.h"
 #include "twell/workload.h"
 
 namespace twell::cli {
@@ -29,6 +30,7 @@ struct FfnBenchOptions {
   std::string isa;            // CPU ISA override ("scalar", "avx2", "avx512"); empty = best
   std::string clock = "wall";  // CPU: "wall", or "thread-cpu" (one thread only; see timing.h)
   int input_sets = 3;         // rotated activations
+  int reference_rows = 16;    // rows (spread over M) checked against float64; 0 = all M
   int warmup = 3;
   int reps = 20;
   uint64_t seed = 1;
@@ -51,6 +53,9 @@ class FfnBenchImpl {
   virtual std::vector<float> output() = 0;
   // Extra memory the implementation holds for this shape (scratch, packed activations).
   virtual int64_t peak_bytes() const = 0;
+  // Measurements beyond the whole call (e.g. each kernel's median time over `reps` calls), merged
+  // into the record's extra fields; called after output().
+  virtual nlohmann::json extra_measurements(int /*reps*/) { return nlohmann::json::object(); }
 };
 
 struct FfnBenchDevice {

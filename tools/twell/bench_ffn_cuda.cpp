@@ -1,6 +1,7 @@
 // `twell bench ffn --device cuda`: the CUDA implementations the driver (bench_ffn.cpp) times.
 //   dense       cuBLASLt bf16 GEMMs (cuda::DenseFfn)
-//   twell       gate GEMM -> TwELL, then the fused up+down kernel (always sparse)
+//   twell       gate GEMM -> TwELL, then the fused up+down kernel (always sparse); its record also
+//               gives each kernel's median time alone (extra gate_ms, ffn_from_twell_ms)
 //   twell_auto  cuda::SparseFfn: TwELL or dense per call (its rule in include/twell/cuda.h)
 // Each run is timed with CUDA events around the call on the default stream.
 #if defined(TWELL_HAVE_CUDA)
@@ -10,6 +11,7 @@
 #include <vector>
 
 #include "bench_ffn.h"
+#include "twell/bench_record.h"
 #include "twell/cuda.h"
 #include "twell/error.h"
 
@@ -54,6 +56,16 @@ class CudaImpl : public FfnBenchImpl {
     y_ = cuda::make_device_array<bf16>(y_count_);
   }
   double run_ms(int input) override { return timer_.time_ms([&] { run(inputs_.at(input).get()); }); }
+  // Median ms of `reps` calls of fn(input set), rotating the input sets.
+  template <typename Fn>
+  double median_ms(int reps, Fn&& fn) {
+    std::vector<double> samples;
+    for (int i = 0; i < reps; ++i) {
+      const bf16* x = inputs_[i % inputs_.size()].get();
+      samples.push_back(timer_.time_ms([&] { fn(x); }));
+    }
+    return summarize_ms(samples).median_ms;
+  }
   std::vector<float> output() override { return cuda::download_bf16(y_.get(), y_count_); }
 
  protected:
@@ -82,6 +94,23 @@ class CudaTwell : public CudaImpl {
       : ffn_({.tile = tile, .compression = compression, .allow_dense = allow_dense}), allow_dense_(allow_dense) {}
   std::string name() const override { return allow_dense_ ? "twell_auto" : "twell"; }
   int64_t peak_bytes() const override { return ffn_.scratch_bytes(); }
+  // The two kernels of the TwELL path alone. The up+down kernel reads the packing of the input it is
+  // given, so each of its calls follows an untimed packing of the same input.
+  nlohmann::json extra_measurements(int reps) override {
+    if (allow_dense_) return nlohmann::json::object();
+    cuda::DeviceTwell packed;
+    const int32_t tile = ffn_.packed().shape.tile, compression = ffn_.packed().shape.compression;
+    cuda::gate_to_twell_complete(inputs_[0].get(), rows_, weights_, tile, compression, packed);
+    const double gate_ms =
+        median_ms(reps, [&](const bf16* x) { cuda::gate_to_twell(x, rows_, weights_, tile, compression, packed); });
+    std::vector<double> samples;
+    for (int i = 0; i < reps; ++i) {
+      const bf16* x = inputs_[i % inputs_.size()].get();
+      cuda::gate_to_twell(x, rows_, weights_, tile, compression, packed);
+      samples.push_back(timer_.time_ms([&] { cuda::ffn_from_twell(x, packed, weights_, y_.get()); }));
+    }
+    return {{"gate_ms", gate_ms}, {"ffn_from_twell_ms", summarize_ms(samples).median_ms}};
+  }
 
  private:
   void run(const bf16* x) override { ffn_.run(x, rows_, weights_, y_.get()); }
