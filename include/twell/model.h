@@ -129,12 +129,17 @@ class Model {
   // Refuses a path the model cannot take (twell/predict on a non-relu FFN) with the reason.
   void set_ffn_path(FfnPath path);
   FfnPath ffn_path() const { return ffn_path_; }
-  // Per-layer predictor settings for FfnPath::predict; calibrate_predictor() fills them from sample text.
+  // Per-layer predictor settings for FfnPath::predict: set here, filled by calibrate_predictor() from
+  // sample text, or read by load() from the checkpoint's twell_predictor.json (twell/predictor_store.h).
   void set_predictor(std::vector<PredictorConfig> per_layer);
+  const std::vector<PredictorConfig>& predictor() const { return predictors_; }  // empty until one of those
   // Runs `tokens` through the dense path, collecting each layer's FFN input, and picks each layer's
   // predictor for `target_recall` (twell::calibrate_predictor).
   std::vector<Calibration> calibrate_predictor(const std::vector<int32_t>& tokens, PredictorKind kind,
                                                double target_recall);
+  // Each layer's FFN input [tokens, D] when `tokens` run from position 0 on the exact (dense) path:
+  // what the predictor sees. The model's path, observer and predictor are left as they were.
+  std::vector<std::vector<float>> ffn_inputs(const std::vector<int32_t>& tokens);
   void set_activation_observer(ActivationObserver observer) { observer_ = std::move(observer); }
 
   KvCache new_cache(int32_t capacity) const;

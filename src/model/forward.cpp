@@ -11,6 +11,7 @@
 #include "twell/cpu.h"
 #include "twell/error.h"
 #include "twell/model.h"
+#include "twell/predictor_store.h"
 #include "twell/safetensors.h"
 
 namespace twell {
@@ -129,7 +130,9 @@ struct Model::Workspace {
 Model Model::load(const std::string& dir) {
   const ModelConfig config = load_model_config((std::filesystem::path(dir) / "config.json").string());
   const Checkpoint checkpoint = Checkpoint::open_dir(dir);
-  return Model(config, load_model_weights(checkpoint, config));
+  Model model(config, load_model_weights(checkpoint, config));
+  if (auto stored = load_predictor_record(dir, model.config_, model.weights_)) model.predictors_ = std::move(*stored);
+  return model;
 }
 
 Model::Model(ModelConfig config, ModelWeights weights)
@@ -148,9 +151,10 @@ void Model::set_ffn_path(FfnPath path) {
   if (path == FfnPath::predict && relu_signs_.empty()) {
     for (const LayerWeights& layer : weights_.layers)
       relu_signs_.push_back(pack_sign_bits(layer.ffn.relu_projection().data(), config_.d_hidden, config_.d_model));
-    // Until calibrated, the sign rule with an alpha so large that no neuron is predicted zero: exact.
-    predictors_.assign(config_.n_layers, PredictorConfig{PredictorKind::sign_rule, 1e9, 0.0});
   }
+  // Until calibrated, the sign rule with an alpha so large that no neuron is predicted zero: exact.
+  if (path == FfnPath::predict && predictors_.empty())
+    predictors_.assign(config_.n_layers, PredictorConfig{PredictorKind::sign_rule, 1e9, 0.0});
   ffn_path_ = path;
 }
 
@@ -160,31 +164,37 @@ void Model::set_predictor(std::vector<PredictorConfig> per_layer) {
   predictors_ = std::move(per_layer);
 }
 
+std::vector<std::vector<float>> Model::ffn_inputs(const std::vector<int32_t>& tokens) {
+  TWELL_REQUIRE(!tokens.empty(), "ffn_inputs: needs at least one token");
+  std::vector<std::vector<float>> inputs(config_.n_layers);
+  // The guard restores the model after, also when forward throws.
+  struct Restore {
+    Model& model;
+    FfnPath path;
+    ActivationObserver observer;
+    ~Restore() {
+      model.ffn_path_ = path;
+      model.capture_ffn_inputs_ = nullptr;
+      model.observer_ = std::move(observer);
+    }
+  } restore{*this, ffn_path_, std::move(observer_)};
+  observer_ = nullptr;
+  ffn_path_ = FfnPath::dense;
+  capture_ffn_inputs_ = &inputs;
+  KvCache cache = new_cache(static_cast<int32_t>(tokens.size()));
+  std::vector<float> logits(config_.vocab_size);
+  forward(tokens.data(), static_cast<int32_t>(tokens.size()), cache, logits.data());
+  return inputs;
+}
+
 std::vector<Calibration> Model::calibrate_predictor(const std::vector<int32_t>& tokens, PredictorKind kind,
                                                     double target_recall) {
   TWELL_REQUIRE(ffn_path_ == FfnPath::predict, "calibrate_predictor: select the predict path first");
   TWELL_REQUIRE(!tokens.empty(), "calibrate_predictor: needs at least one token");
-  // Collect each layer's FFN input on the exact (dense) path; the guard restores the model after.
-  std::vector<std::vector<float>> ffn_inputs(config_.n_layers);
-  struct Restore {
-    Model& model;
-    ActivationObserver observer;
-    ~Restore() {
-      model.ffn_path_ = FfnPath::predict;
-      model.capture_ffn_inputs_ = nullptr;
-      model.observer_ = std::move(observer);
-    }
-  } restore{*this, std::move(observer_)};
-  observer_ = nullptr;
-  ffn_path_ = FfnPath::dense;
-  capture_ffn_inputs_ = &ffn_inputs;
-  KvCache cache = new_cache(static_cast<int32_t>(tokens.size()));
-  std::vector<float> logits(config_.vocab_size);
-  forward(tokens.data(), static_cast<int32_t>(tokens.size()), cache, logits.data());
-
+  const std::vector<std::vector<float>> inputs = ffn_inputs(tokens);
   std::vector<Calibration> result;
   for (int32_t layer = 0; layer < config_.n_layers; ++layer) {
-    result.push_back(twell::calibrate_predictor(ffn_inputs[layer].data(), static_cast<int64_t>(tokens.size()),
+    result.push_back(twell::calibrate_predictor(inputs[layer].data(), static_cast<int64_t>(tokens.size()),
                                                 weights_.layers[layer].ffn, relu_signs_[layer], kind, target_recall));
     predictors_[layer] = result.back().config;
   }

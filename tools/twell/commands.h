@@ -11,6 +11,7 @@ void add_bench_decode(CLI::App& bench);
 void add_calibrate(CLI::App& app);
 void add_generate(CLI::App& app);
 void add_stats(CLI::App& app);
+void add_predictor_report(CLI::App& app);
 void add_bench_model(CLI::App& bench);
 
 }  // namespace twell::cli

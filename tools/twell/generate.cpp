@@ -42,6 +42,7 @@ void run_generate(const GenerateOptions& options) {
   const auto load_start = std::chrono::steady_clock::now();
   Model model = Model::load(options.model_dir);
   std::unique_ptr<Tokenizer> tokenizer = load_tokenizer(options.model_dir);
+  const bool stored_predictor = !model.predictor().empty();  // the checkpoint's twell_predictor.json
   model.set_ffn_path(path);
   const ModelConfig& config = model.config();
   TWELL_REQUIRE(tokenizer->vocab_size() <= config.vocab_size,
@@ -59,7 +60,9 @@ void run_generate(const GenerateOptions& options) {
   TWELL_REQUIRE(capacity <= config.max_positions, "{} prompt + {} new tokens exceed max_position_embeddings = {}",
                 prompt.size(), options.new_tokens, config.max_positions);
 
-  if (path == FfnPath::predict) {
+  if (path == FfnPath::predict && stored_predictor) {
+    std::fprintf(stderr, "twell: predictor settings from %s/twell_predictor.json\n", options.model_dir.c_str());
+  } else if (path == FfnPath::predict) {
     const auto calibration = model.calibrate_predictor(prompt, parse_predictor_kind(options.predictor), options.recall);
     double predicted = 0;
     for (const Calibration& layer : calibration) predicted += layer.quality.predicted_fraction();
@@ -128,7 +131,7 @@ void add_generate(CLI::App& app) {
   command->add_flag("--ignore-eos", options->ignore_eos, "do not stop at the model's end-of-sequence tokens");
   command->add_option("--threads", options->threads, "CPU threads (0 = all cores)")->capture_default_str();
   command->add_option("--predictor", options->predictor, "predict path: one-bit or sign")->capture_default_str();
-  command->add_option("--recall", options->recall, "predict path: recall the predictor is calibrated for on the prompt")
+  command->add_option("--recall", options->recall, "predict path without a stored twell_predictor.json: recall the predictor is calibrated for on the prompt")
       ->capture_default_str();
   command->callback([options] { run_generate(*options); });
 }

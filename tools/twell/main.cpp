@@ -18,6 +18,7 @@ int main(int argc, char** argv) {
   twell::cli::add_bench_model(*bench);
   twell::cli::add_generate(app);
   twell::cli::add_stats(app);
+  twell::cli::add_predictor_report(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& error) {
