@@ -151,6 +151,10 @@ class DecodeTest : public testing::TestWithParam<DecodeCase> {
     signs_ = pack_sign_bits(work_.weights.relu_projection().data(), work_.weights.d_hidden, work_.weights.d_model);
   }
   const DecodeBackend& backend() const { return find_decode_backend(GetParam().backend); }
+  // The normalized one-bit gate has no CUDA kernel yet.
+  bool backend_runs(PredictorKind kind) const {
+    return !(GetParam().backend == "cuda" && kind == PredictorKind::normalized_one_bit_gate);
+  }
   int64_t rows() const { return work_.spec.rows; }
   size_t output_count() const { return static_cast<size_t>(rows()) * work_.weights.d_model; }
 
@@ -165,6 +169,8 @@ class DecodeTest : public testing::TestWithParam<DecodeCase> {
     return std::count_if(projection.begin(), projection.end(), [](double v) { return v > 0; });
   }
 
+  void expect_reference_prediction_at_a_gap(PredictorKind kind);
+
   Workload work_;
   SignBits signs_;
 };
@@ -175,9 +181,14 @@ TEST_P(DecodeTest, NothingSkippedEqualsDenseFfn) {
   const int64_t active = reference_active_count();
   ASSERT_GT(active, 0) << "the case must have active neurons";
   for (PredictorConfig predictor : {PredictorConfig{PredictorKind::sign_rule, kHugeSetting, 0.0},
-                                    PredictorConfig{PredictorKind::one_bit_gate, 1.0, kHugeSetting}}) {
+                                    PredictorConfig{PredictorKind::one_bit_gate, 1.0, kHugeSetting},
+                                    PredictorConfig{PredictorKind::normalized_one_bit_gate, 1.0, kHugeSetting}}) {
     SCOPED_TRACE(to_string(predictor.kind));
     std::vector<float> y;
+    if (!backend_runs(predictor.kind)) {
+      EXPECT_THROW(decode(predictor, y), Error) << "a kind without a kernel must be refused";
+      continue;
+    }
     DecodeStats stats = decode(predictor, y, DecodeOptions{.count_missed = true});
     EXPECT_TRUE(test::near_relative_l2("y", y.data(), expected.data(), expected.size(), kFp32Tolerance));
     EXPECT_EQ(stats.predicted, rows() * work_.weights.d_hidden);
@@ -211,10 +222,19 @@ TEST_P(DecodeTest, SignRuleMatchesReferencePrediction) {
   }
 }
 
-// The one-bit gate at a lossy margin placed in a gap between reference scores, so that rounding of
+// The one-bit gates at a lossy margin placed in a gap between reference scores, so that rounding of
 // the fp32 score cannot move a neuron across it.
-TEST_P(DecodeTest, OneBitGateMatchesReferencePrediction) {
-  const std::vector<double> scores = ref::one_bit_gate(work_.x.data(), rows(), signs_);
+TEST_P(DecodeTest, OneBitGatesMatchReferencePrediction) {
+  for (PredictorKind kind : {PredictorKind::one_bit_gate, PredictorKind::normalized_one_bit_gate}) {
+    SCOPED_TRACE(to_string(kind));
+    if (backend_runs(kind)) expect_reference_prediction_at_a_gap(kind);
+  }
+}
+
+void DecodeTest::expect_reference_prediction_at_a_gap(PredictorKind kind) {
+  const bool normalized = kind == PredictorKind::normalized_one_bit_gate;
+  const std::vector<double> scores = normalized ? ref::normalized_one_bit_gate(work_.x.data(), rows(), signs_)
+                                                : ref::one_bit_gate(work_.x.data(), rows(), signs_);
   std::vector<double> sorted = scores;
   std::sort(sorted.begin(), sorted.end());
   const double spread = sorted.back() - sorted.front();
@@ -224,11 +244,13 @@ TEST_P(DecodeTest, OneBitGateMatchesReferencePrediction) {
     if (sorted[i + 1] - sorted[i] > sorted[best + 1] - sorted[best]) best = i;
   ASSERT_GT(sorted[best + 1] - sorted[best], 1e-4 * spread) << "no gap wide enough for an unambiguous margin";
   const double margin = -0.5 * (sorted[best] + sorted[best + 1]);
-  const std::vector<uint8_t> mask = ref::predict_active_one_bit_gate(work_.x.data(), rows(), signs_, margin);
+  const std::vector<uint8_t> mask =
+      normalized ? ref::predict_active_normalized_one_bit_gate(work_.x.data(), rows(), signs_, margin)
+                 : ref::predict_active_one_bit_gate(work_.x.data(), rows(), signs_, margin);
   const int64_t predicted = std::count(mask.begin(), mask.end(), 1);
   const std::vector<double> expected = ref::decode_ffn(work_.x.data(), rows(), work_.weights, mask);
   std::vector<float> y;
-  DecodeStats stats = decode(PredictorConfig{PredictorKind::one_bit_gate, 1.0, margin}, y);
+  DecodeStats stats = decode(PredictorConfig{kind, 1.0, margin}, y);
   EXPECT_EQ(stats.predicted, predicted);
   EXPECT_EQ(stats.missed, -1);
   double norm = 0;
@@ -280,6 +302,24 @@ TEST_P(PredictorScoresTest, CountsAndScoresMatchReference) {
         ASSERT_NEAR(scores[i], expected[i], 1e-6 * signs.scale[j] * abs_sum + 1e-30) << "row " << m << " neuron " << j;
       }
     }
+
+    std::vector<float> z(counts.size(), std::numeric_limits<float>::quiet_NaN());
+    cpu::normalized_one_bit_gate(work.x.data(), rows, signs, z.data());
+    const std::vector<double> expected_z = ref::normalized_one_bit_gate(work.x.data(), rows, signs);
+    for (int m = 0; m < rows; ++m) {
+      double abs_sum = 0, square_sum = 0;
+      for (int k = 0; k < cols; ++k) {
+        abs_sum += std::abs(work.x[m * cols + k]);
+        square_sum += static_cast<double>(work.x[m * cols + k]) * work.x[m * cols + k];
+      }
+      for (int j = 0; j < hidden; ++j) {
+        const size_t i = static_cast<size_t>(m) * hidden + j;
+        const double unit = signs.residual[j] * std::sqrt(square_sum);
+        ASSERT_GT(unit, 0) << "random rows are not exactly ±scale";
+        ASSERT_NEAR(z[i], expected_z[i], 1e-6 * signs.scale[j] * abs_sum / unit + 1e-5 * std::abs(expected_z[i]))
+            << "row " << m << " neuron " << j;
+      }
+    }
   }
 }
 
@@ -308,6 +348,12 @@ TEST(DecodeSignBits, PackingIsBitExact) {
         if (k < cols) abs_sum += std::abs(matrix[r * cols + k]);
       }
       EXPECT_EQ(packed.scale[r], static_cast<float>(abs_sum / cols));
+      double residual_squares = 0;  // straight from the definition: A − scale·sign(A)
+      for (int k = 0; k < cols; ++k) {
+        const double a = matrix[r * cols + k];
+        residual_squares += std::pow(a - (a < 0 ? -1.0 : 1.0) * (abs_sum / cols), 2);
+      }
+      EXPECT_NEAR(packed.residual[r], std::sqrt(residual_squares / cols), 1e-6 * (abs_sum / cols) + 1e-7);
     }
   }
 }
@@ -327,7 +373,8 @@ TEST(DecodeCalibration, ReachesTargetRecall) {
   WorkloadSpec spec{.rows = 64, .d_model = 512, .d_hidden = 1024, .density = 0.02, .seed = 21};
   Workload work = make_workload(spec);
   const SignBits signs = pack_sign_bits(work.weights.gate.data(), spec.d_hidden, spec.d_model);
-  for (PredictorKind kind : {PredictorKind::sign_rule, PredictorKind::one_bit_gate})
+  for (PredictorKind kind :
+       {PredictorKind::sign_rule, PredictorKind::one_bit_gate, PredictorKind::normalized_one_bit_gate})
     for (double target : {0.9, 0.99, 1.0}) {
       SCOPED_TRACE(fmt::format("{} recall {}", to_string(kind), target));
       Calibration calibration = calibrate_predictor(work.x.data(), spec.rows, work.weights, signs, kind, target);
@@ -361,6 +408,12 @@ TEST(DecodeBadInput, RejectsWithAMessage) {
   const SignBits wrong = pack_sign_bits(work.weights.gate.data(), spec.d_hidden / 2, spec.d_model);
   EXPECT_THROW(cpu::decode_ffn(work.x.data(), 1, work.weights, wrong, {}, y.data(), scratch), Error);
   EXPECT_THROW(parse_predictor_kind("popcount"), Error);
+  for (PredictorKind kind :
+       {PredictorKind::sign_rule, PredictorKind::one_bit_gate, PredictorKind::normalized_one_bit_gate})
+    EXPECT_EQ(parse_predictor_kind(to_string(kind)), kind);
+  SignBits no_residual = signs;
+  no_residual.residual.clear();
+  EXPECT_THROW(cpu::decode_ffn(work.x.data(), 1, work.weights, no_residual, {}, y.data(), scratch), Error);
   EXPECT_THROW(calibrate_predictor(work.x.data(), 1, work.weights, signs, PredictorKind::sign_rule, 1.5), Error);
 }
 

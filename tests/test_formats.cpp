@@ -351,6 +351,20 @@ TEST(SignBitsFormat, BitsPaddingAndScale) {
   }
 }
 
+// The worked example of docs/formats.md, "Sign bits".
+TEST(SignBitsFormat, WorkedExampleOfTheDocs) {
+  std::vector<float> row(35, 1.0f);
+  row[0] = -1.0f;
+  row[1] = 2.0f;
+  row[2] = -0.0f;
+  row[3] = -0.5f;
+  row[33] = -3.0f;
+  const SignBits packed = pack_sign_bits(row.data(), 1, 35);
+  EXPECT_EQ(packed.bits, (std::vector<uint32_t>{0x00000009u, 0x00000002u}));
+  EXPECT_FLOAT_EQ(packed.scale[0], 1.0428571f);
+  EXPECT_FLOAT_EQ(packed.residual[0], 0.4203983f);
+}
+
 TEST(SignBitsFormat, RefusesNanAndBadShapes) {
   std::vector<float> matrix(2 * 40, 1.0f);
   matrix[40 + 33] = std::numeric_limits<float>::quiet_NaN();

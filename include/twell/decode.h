@@ -12,7 +12,14 @@
 //                 the calibrated margin should come out positive (the estimate tracks a pre-activation
 //                 whose threshold is 0; not yet measured in twell); on the synthetic workload, whose
 //                 gate threshold sits in one weight column that the estimate cannot see, it is negative.
-// Both are per-layer settings, chosen by calibrate_predictor for a target recall.
+//   normalized one-bit gate  z(m, j) = s(m, j) / (residual_j · ||x[m]||₂), residual_j = rms of
+//                 W[j] − scale_j·sign(W[j]) (docs/formats.md); predicted active iff z >= −margin.
+//                 The estimate's error x·(W[j] − scale_j·sign W[j]) grows with ||x|| and with how far
+//                 row j is from ±scale_j, so one margin in units of that error fits every neuron and
+//                 token, where the plain margin must cover the worst neuron. Same bits read, one
+//                 division more. On a real L1-trained model it keeps ~4x fewer neurons than the
+//                 one-bit gate at 99% recall (docs/perf-notes.md "Decode FFN"). CPU only so far.
+// Each is a per-layer setting, chosen by calibrate_predictor for a target recall.
 //
 // The CUDA decode FFN is in twell/decode_cuda.h.
 //
@@ -21,6 +28,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -30,15 +38,24 @@ namespace twell {
 
 inline constexpr int32_t kDecodeMaxRows = 16;  // tokens per decode step the fused kernels support
 
-enum class PredictorKind { sign_rule, one_bit_gate };
-std::string to_string(PredictorKind kind);
-PredictorKind parse_predictor_kind(const std::string& name);  // "sign" or "one-bit"; throws otherwise
+enum class PredictorKind { sign_rule, one_bit_gate, normalized_one_bit_gate };
+std::string to_string(PredictorKind kind);  // "sign", "one-bit", "one-bit-norm"
+PredictorKind parse_predictor_kind(const std::string& name);  // the names above; throws otherwise
 
 struct PredictorConfig {
   PredictorKind kind = PredictorKind::one_bit_gate;
   double alpha = 1.0;   // sign rule
-  double margin = 0.0;  // one-bit gate
+  double margin = 0.0;  // one-bit gates
 };
+
+// z = score / (residual · norm), the normalized one-bit gate; a zero denominator (a row that is
+// exactly ±scale, or x = 0) makes the estimate exact, so z is ±inf by the sign of the score (0 for 0).
+inline float normalized_score(float score, float residual, float norm) {
+  const float unit = residual * norm;
+  if (unit > 0.0f) return score / unit;
+  return score > 0.0f ? std::numeric_limits<float>::infinity()
+                      : score < 0.0f ? -std::numeric_limits<float>::infinity() : 0.0f;
+}
 
 // The sign rule as an integer threshold: neuron predicted active iff N_neg <= this
 // (-1 when alpha is so small that nothing is kept). Exactly the rule above, evaluated in double.
@@ -88,12 +105,14 @@ namespace twell::cpu {
 // The predictor's raw scores, for tests and calibration. x [M, D], signs packed from W [H, D].
 void negative_sign_products(const float* x, int64_t rows, const SignBits& signs, int32_t* counts);  // [M, H]
 void one_bit_gate(const float* x, int64_t rows, const SignBits& signs, float* scores);               // [M, H]
+void normalized_one_bit_gate(const float* x, int64_t rows, const SignBits& signs, float* scores);    // [M, H] z
 
 // Buffers reused across calls (grown, never shrunk); a call allocates only to grow them.
 struct DecodeScratch {
   std::vector<float> x_padded;      // [M, 32·words] x with zeros past D
   std::vector<uint32_t> x_signs;    // [M, words]
   std::vector<float> row_sums;      // [M] Σ_k x[m, k]
+  std::vector<float> row_norms;     // [M] ||x[m, :]||₂
   struct ActiveNeuron {
     int32_t row;
     int32_t neuron;

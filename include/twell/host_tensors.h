@@ -62,6 +62,7 @@ struct SignBits {
   int32_t cols = 0;  // K
   std::vector<uint32_t> bits;  // [R, ceil(K/32)]
   std::vector<float> scale;    // [R] mean |A[r, :]|
+  std::vector<float> residual; // [R] rms of A[r, :] − scale[r]·sign(A[r, :])
 
   int32_t words_per_row() const { return sign_words_per_row(cols); }
 };

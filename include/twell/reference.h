@@ -59,6 +59,11 @@ std::vector<double> one_bit_gate(const float* x, int64_t rows, const SignBits& g
 // Predicted active iff s(m, j) >= −margin.  -> [M, H], 1 = predicted active
 std::vector<uint8_t> predict_active_one_bit_gate(const float* x, int64_t rows, const SignBits& gate_signs,
                                                  double margin);
+// Normalized one-bit gate z(m, j) = s(m, j) / (residual_j · ||x[m]||₂) (±inf or 0 where that is 0),
+// float64; predicted active iff z >= −margin (include/twell/decode.h).  -> [M, H]
+std::vector<double> normalized_one_bit_gate(const float* x, int64_t rows, const SignBits& gate_signs);
+std::vector<uint8_t> predict_active_normalized_one_bit_gate(const float* x, int64_t rows, const SignBits& gate_signs,
+                                                            double margin);
 // The decode FFN: the FFN restricted to the predicted-active neurons of each row (a neuron predicted
 // zero contributes nothing, whatever its gate).  predicted_active [M, H] -> y [M, D]
 std::vector<double> decode_ffn(const float* x, int64_t rows, const FfnWeights& weights,

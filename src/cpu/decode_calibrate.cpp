@@ -12,13 +12,19 @@
 namespace twell {
 
 std::string to_string(PredictorKind kind) {
-  return kind == PredictorKind::sign_rule ? "sign" : "one-bit";
+  switch (kind) {
+    case PredictorKind::sign_rule: return "sign";
+    case PredictorKind::one_bit_gate: return "one-bit";
+    case PredictorKind::normalized_one_bit_gate: return "one-bit-norm";
+  }
+  return "?";
 }
 
 PredictorKind parse_predictor_kind(const std::string& name) {
-  if (name == "sign") return PredictorKind::sign_rule;
-  if (name == "one-bit") return PredictorKind::one_bit_gate;
-  fail("predictor must be 'sign' or 'one-bit', got '{}'", name);
+  for (PredictorKind kind :
+       {PredictorKind::sign_rule, PredictorKind::one_bit_gate, PredictorKind::normalized_one_bit_gate})
+    if (name == to_string(kind)) return kind;
+  fail("predictor must be 'sign', 'one-bit' or 'one-bit-norm', got '{}'", name);
 }
 
 int32_t sign_rule_max_negatives(double alpha, int32_t d_model) {
@@ -38,7 +44,7 @@ namespace {
 
 struct Samples {
   std::vector<float> projection;  // [M, H] exact x·W^T (fp32 kernels)
-  std::vector<float> scores;      // [M, H] one-bit gate, or N_neg as float for the sign rule
+  std::vector<float> scores;      // [M, H] one-bit gate (plain or normalized), or N_neg as float for the sign rule
 };
 
 Samples score_samples(const float* x, int64_t rows, const FfnWeights& weights, const SignBits& signs,
@@ -61,6 +67,8 @@ Samples score_samples(const float* x, int64_t rows, const FfnWeights& weights, c
   samples.scores.resize(samples.projection.size());
   if (kind == PredictorKind::one_bit_gate) {
     cpu::one_bit_gate(x, rows, signs, samples.scores.data());
+  } else if (kind == PredictorKind::normalized_one_bit_gate) {
+    cpu::normalized_one_bit_gate(x, rows, signs, samples.scores.data());
   } else {
     std::vector<int32_t> counts(samples.scores.size());
     cpu::negative_sign_products(x, rows, signs, counts.data());
@@ -110,7 +118,7 @@ Calibration calibrate_predictor(const float* x, int64_t rows, const FfnWeights& 
 
   Calibration result;
   result.config.kind = kind;
-  if (kind == PredictorKind::one_bit_gate) {
+  if (kind != PredictorKind::sign_rule) {
     // Keep scores >= the needed-th largest one.
     result.config.margin = -static_cast<double>(active_scores[count - needed]);
   } else {

@@ -11,6 +11,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 
 #include "decode_kernels.h"
 #include "kernels.h"
@@ -42,17 +43,25 @@ void require_signs_match(const SignBits& signs, int32_t hidden, int32_t cols) {
                 signs.bits.size());
   TWELL_REQUIRE(signs.scale.size() == static_cast<size_t>(hidden), "signs.scale must hold H = {} values, got {}",
                 hidden, signs.scale.size());
+  TWELL_REQUIRE(signs.residual.size() == static_cast<size_t>(hidden), "signs.residual must hold H = {} values, got {}",
+                hidden, signs.residual.size());
 }
 
-// x [M, D] -> x_padded [M, 32·words] (zeros past D) and, when asked, its sign bits [M, words]
-// in the sign-bits format (bit set iff x < 0, so -0.0 packs as 0).
+// x [M, D] -> x_padded [M, 32·words] (zeros past D), row sums and norms, and, when asked, its sign
+// bits [M, words] in the sign-bits format (bit set iff x < 0, so -0.0 packs as 0).
 void prepare_rows(const float* x, int64_t rows, int32_t cols, int32_t words, bool pack_signs, DecodeScratch& scratch) {
   const int32_t padded = words * kSignBitsPerWord;
   scratch.x_padded.assign(static_cast<size_t>(rows) * padded, 0.0f);
   scratch.row_sums.assign(rows, 0.0f);
+  scratch.row_norms.assign(rows, 0.0f);
   for (int64_t m = 0; m < rows; ++m) {
     std::copy_n(x + m * cols, cols, scratch.x_padded.begin() + m * padded);
-    for (int32_t k = 0; k < cols; ++k) scratch.row_sums[m] += x[m * cols + k];
+    float square_sum = 0.0f;
+    for (int32_t k = 0; k < cols; ++k) {
+      scratch.row_sums[m] += x[m * cols + k];
+      square_sum += x[m * cols + k] * x[m * cols + k];
+    }
+    scratch.row_norms[m] = std::sqrt(square_sum);
   }
   if (!pack_signs) return;
   scratch.x_signs.assign(static_cast<size_t>(rows) * words, 0u);
@@ -70,6 +79,7 @@ class RowPredictor {
     x_padded_ = scratch.x_padded.data() + row * words_ * kSignBitsPerWord;
     if (!scratch.x_signs.empty()) x_signs_ = scratch.x_signs.data() + row * words_;
     row_sum_ = scratch.row_sums[row];
+    row_norm_ = scratch.row_norms[row];
   }
   int32_t negative_count(int32_t neuron) const {
     return kernels_.negative_count(x_signs_, neuron_bits(neuron), words_);
@@ -77,6 +87,18 @@ class RowPredictor {
   // s = scale·(Σx − 2·Σ_{bit set} x) = scale·Σ x·sign(W).
   float one_bit_gate(int32_t neuron) const {
     return signs_.scale[neuron] * (row_sum_ - 2.0f * kernels_.negative_sum(x_padded_, neuron_bits(neuron), words_));
+  }
+  float normalized_one_bit_gate(int32_t neuron) const {
+    return normalized_score(one_bit_gate(neuron), signs_.residual[neuron], row_norm_);
+  }
+  // Predicted active under `kind` with its integer (sign rule) or score (one-bit gates) threshold.
+  bool predicts_active(PredictorKind kind, int32_t neuron, int32_t max_negatives, float min_score) const {
+    switch (kind) {
+      case PredictorKind::sign_rule: return negative_count(neuron) <= max_negatives;
+      case PredictorKind::one_bit_gate: return one_bit_gate(neuron) >= min_score;
+      case PredictorKind::normalized_one_bit_gate: return normalized_one_bit_gate(neuron) >= min_score;
+    }
+    return true;
   }
 
  private:
@@ -87,6 +109,7 @@ class RowPredictor {
   const float* x_padded_ = nullptr;
   const uint32_t* x_signs_ = nullptr;
   float row_sum_ = 0.0f;
+  float row_norm_ = 0.0f;
 };
 
 }  // namespace
@@ -103,7 +126,11 @@ void negative_sign_products(const float* x, int64_t rows, const SignBits& signs,
   }
 }
 
-void one_bit_gate(const float* x, int64_t rows, const SignBits& signs, float* scores) {
+namespace {
+
+// scores [M, H] = (predictor.*score)(j) for every row m and neuron j.
+void score_rows(const float* x, int64_t rows, const SignBits& signs, float (RowPredictor::*score)(int32_t) const,
+                float* scores) {
   TWELL_REQUIRE(rows >= 1, "rows (M) must be >= 1, got {}", rows);
   require_signs_match(signs, signs.rows, signs.cols);
   DecodeScratch scratch;
@@ -111,8 +138,18 @@ void one_bit_gate(const float* x, int64_t rows, const SignBits& signs, float* sc
   for (int64_t m = 0; m < rows; ++m) {
     RowPredictor predictor(signs, scratch, m);
 #pragma omp parallel for num_threads(num_threads()) schedule(static)
-    for (int32_t j = 0; j < signs.rows; ++j) scores[m * signs.rows + j] = predictor.one_bit_gate(j);
+    for (int32_t j = 0; j < signs.rows; ++j) scores[m * signs.rows + j] = (predictor.*score)(j);
   }
+}
+
+}  // namespace
+
+void one_bit_gate(const float* x, int64_t rows, const SignBits& signs, float* scores) {
+  score_rows(x, rows, signs, &RowPredictor::one_bit_gate, scores);
+}
+
+void normalized_one_bit_gate(const float* x, int64_t rows, const SignBits& signs, float* scores) {
+  score_rows(x, rows, signs, &RowPredictor::normalized_one_bit_gate, scores);
 }
 
 DecodeStats decode_ffn(const float* x, int64_t rows, const FfnWeights& weights, const SignBits& signs,
@@ -143,7 +180,7 @@ DecodeStats decode_ffn(const float* x, int64_t rows, const FfnWeights& weights, 
       const float* projection_row = projection + static_cast<size_t>(j) * cols;  // [D]
       for (int64_t m = 0; m < rows; ++m) {
         const RowPredictor row(signs, scratch, m);
-        const bool predicted_active = sign_rule ? row.negative_count(j) <= max_negatives : row.one_bit_gate(j) >= min_score;
+        const bool predicted_active = row.predicts_active(predictor.kind, j, max_negatives, min_score);
         if (!predicted_active && !options.count_missed) continue;
         const float* x_row = x + m * cols;  // [D]
         float activation;

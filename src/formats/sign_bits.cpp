@@ -1,4 +1,5 @@
 // Sign-bit packing (include/twell/formats/sign_bits.h).
+#include <algorithm>
 #include <cmath>
 
 #include "twell/convert.h"
@@ -16,16 +17,22 @@ SignBits pack_sign_bits(const float* matrix, int32_t rows, int32_t cols) {
   const int32_t words = packed.words_per_row();
   packed.bits.assign(static_cast<size_t>(rows) * words, 0u);  // padding bits stay 0
   packed.scale.assign(static_cast<size_t>(rows), 0.0f);
+  packed.residual.assign(static_cast<size_t>(rows), 0.0f);
   for (int32_t r = 0; r < rows; ++r) {
     const float* row = matrix + static_cast<size_t>(r) * cols;  // [K]
     uint32_t* row_bits = packed.bits.data() + static_cast<size_t>(r) * words;
-    double abs_sum = 0.0;
+    double abs_sum = 0.0, square_sum = 0.0;
     for (int32_t k = 0; k < cols; ++k) {
       TWELL_REQUIRE(!std::isnan(row[k]), "pack_sign_bits: element [{}, {}] is NaN; a sign bit needs a number", r, k);
       if (row[k] < 0.0f) row_bits[k / kSignBitsPerWord] |= 1u << (k % kSignBitsPerWord);  // -0.0 is not < 0
       abs_sum += std::abs(static_cast<double>(row[k]));
+      square_sum += static_cast<double>(row[k]) * row[k];
     }
-    packed.scale[r] = static_cast<float>(abs_sum / cols);
+    const double scale = abs_sum / cols;
+    packed.scale[r] = static_cast<float>(scale);
+    // mean (a − scale·sign a)² = mean a² − 2·scale·mean |a| + scale² = mean a² − scale²; rounding
+    // can take it a hair below 0 when every |a| is equal (an exact 1-bit row).
+    packed.residual[r] = static_cast<float>(std::sqrt(std::max(0.0, square_sum / cols - scale * scale)));
   }
   return packed;
 }

@@ -1,5 +1,6 @@
 // Reference decode predictors and the decode FFN they drive (include/twell/decode.h): plain loops,
 // float64 sums, bits read one at a time.
+#include <cmath>
 #include <cstddef>
 
 #include "twell/error.h"
@@ -71,6 +72,31 @@ std::vector<double> one_bit_gate(const float* x, int64_t rows, const SignBits& g
 std::vector<uint8_t> predict_active_one_bit_gate(const float* x, int64_t rows, const SignBits& gate_signs,
                                                  double margin) {
   std::vector<double> scores = one_bit_gate(x, rows, gate_signs);
+  std::vector<uint8_t> active(scores.size());
+  for (size_t i = 0; i < scores.size(); ++i) active[i] = scores[i] >= -margin;
+  return active;
+}
+
+std::vector<double> normalized_one_bit_gate(const float* x, int64_t rows, const SignBits& gate_signs) {
+  TWELL_REQUIRE(gate_signs.residual.size() == static_cast<size_t>(gate_signs.rows),
+                "gate_signs.residual must hold R = {} values, got {}", gate_signs.rows, gate_signs.residual.size());
+  std::vector<double> scores = one_bit_gate(x, rows, gate_signs);
+  const int32_t hidden = gate_signs.rows, cols = gate_signs.cols;
+  for (int64_t m = 0; m < rows; ++m) {
+    double square_sum = 0;
+    for (int32_t k = 0; k < cols; ++k) square_sum += static_cast<double>(x[m * cols + k]) * x[m * cols + k];
+    for (int32_t j = 0; j < hidden; ++j) {
+      double& score = scores[static_cast<size_t>(m) * hidden + j];
+      const double unit = static_cast<double>(gate_signs.residual[j]) * std::sqrt(square_sum);
+      score = unit > 0 ? score / unit : score > 0 ? INFINITY : score < 0 ? -INFINITY : 0.0;
+    }
+  }
+  return scores;
+}
+
+std::vector<uint8_t> predict_active_normalized_one_bit_gate(const float* x, int64_t rows, const SignBits& gate_signs,
+                                                            double margin) {
+  std::vector<double> scores = normalized_one_bit_gate(x, rows, gate_signs);
   std::vector<uint8_t> active(scores.size());
   for (size_t i = 0; i < scores.size(); ++i) active[i] = scores[i] >= -margin;
   return active;

@@ -69,7 +69,7 @@ void run_report(const ReportOptions& options) {
                 "--calibrate-fraction must lie in (0, 1), got {}", options.calibrate_fraction);
   std::vector<PredictorKind> kinds;
   if (options.kind == "all")
-    kinds = {PredictorKind::sign_rule, PredictorKind::one_bit_gate};
+    kinds = {PredictorKind::sign_rule, PredictorKind::one_bit_gate, PredictorKind::normalized_one_bit_gate};
   else
     kinds = {parse_predictor_kind(options.kind)};
   cpu::set_num_threads(options.threads);
@@ -105,7 +105,7 @@ void run_report(const ReportOptions& options) {
   fmt::print("{}: {} layers, D={}, H={}; {} tokens of {}: {} calibrate, {} measure; target recall {}\n",
              config.model_type, config.n_layers, config.d_model, config.d_hidden, all.tokens, options.text_file,
              calibration.tokens, evaluation.tokens, options.recall);
-  fmt::print("{:>5} {:>8} {:>11} {:>8} {:>9} {:>9} {:>10} {:>12} {:>10} {:>10}\n", "layer", "kind", "alpha/margin",
+  fmt::print("{:>5} {:>12} {:>11} {:>8} {:>9} {:>9} {:>10} {:>12} {:>10} {:>10}\n", "layer", "kind", "alpha/margin",
              "recall", "precision", "active/t", "predicted/t", "pred/active", "pred %", "FFN rel err");
   std::ofstream csv(options.out_prefix + ".csv");
   TWELL_REQUIRE(csv.good(), "cannot write '{}.csv'", options.out_prefix);
@@ -115,7 +115,7 @@ void run_report(const ReportOptions& options) {
   const auto print = [&](const std::string& layer, PredictorKind kind, const std::string& setting, double recall,
                          double precision, double active, double predicted, double ratio, double fraction,
                          double error) {
-    fmt::print("{:>5} {:>8} {:>11} {:>8.4f} {:>9.4f} {:>9.1f} {:>10.1f} {:>11.2f}x {:>9.2f}% {:>10.2e}\n", layer,
+    fmt::print("{:>5} {:>12} {:>11} {:>8.4f} {:>9.4f} {:>9.1f} {:>10.1f} {:>11.2f}x {:>9.2f}% {:>10.2e}\n", layer,
                to_string(kind), setting, recall, precision, active, predicted, ratio, 100 * fraction, error);
   };
   const double per_token = 1.0 / static_cast<double>(evaluation.tokens);
@@ -179,7 +179,7 @@ void add_predictor_report(CLI::App& app) {
       "predictor-report", "decode predictor quality per layer on a checkpoint and a text: table, CSV and JSON");
   command->add_option("-m,--model", options->model_dir, "checkpoint directory")->required()->check(CLI::ExistingDirectory);
   command->add_option("-f,--file", options->text_file, "text file")->required()->check(CLI::ExistingFile);
-  command->add_option("--kind", options->kind, "predictor: one-bit, sign or all")->capture_default_str();
+  command->add_option("--kind", options->kind, "predictor: sign, one-bit, one-bit-norm or all")->capture_default_str();
   command->add_option("--recall", options->recall, "target recall each predictor is calibrated for")
       ->capture_default_str();
   command->add_option("--calibrate-fraction", options->calibrate_fraction,

@@ -8,6 +8,9 @@
 //          Padding bits (32c + j >= K) are 0, so XOR + popcount over whole words counts only real
 //          elements when both operands follow this rule.
 //   scale  float  [R]  mean |A[r, :]| over the K elements (used by the 1-bit gate predictor).
+//   residual float [R] rms over the K elements of A[r, k] − scale[r]·sign(A[r, k]) (sign +1 where
+//                      the bit is 0), = sqrt(mean A[r, :]² − scale[r]²): how far the 1-bit
+//                      approximation is from the row (used by the normalized 1-bit gate).
 // The same packing applies to the gate weights Wg [H, D] (once, at load) and to a token x [D]
 // (per call).
 #pragma once
