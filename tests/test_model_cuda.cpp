@@ -4,11 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <filesystem>
-#include <fstream>
 
-#include <nlohmann/json.hpp>
-
+#include "model_fixtures.h"
 #include "twell/cuda.h"
 #include "twell/error.h"
 #include "twell/model.h"
@@ -17,32 +14,10 @@
 namespace twell {
 namespace {
 
-std::string model_dir(const std::string& name) {
-  return (std::filesystem::path(__FILE__).parent_path() / "fixtures" / "models" / name).string();
-}
-
-struct Golden {
-  std::vector<int32_t> prompt;
-  std::vector<std::vector<double>> logits;  // [n, V]
-  std::vector<int32_t> greedy;
-};
-
-Golden read_golden(const std::string& name) {
-  std::ifstream stream(std::filesystem::path(model_dir(name)) / "golden.json");
-  const nlohmann::json json = nlohmann::json::parse(stream);
-  return {json["prompt"].get<std::vector<int32_t>>(), json["logits"].get<std::vector<std::vector<double>>>(),
-          json["greedy"].get<std::vector<int32_t>>()};
-}
-
-template <typename Expected>
-double relative_l2(const float* got, const Expected& expected) {
-  double diff = 0, norm = 0;
-  for (size_t i = 0; i < expected.size(); ++i) {
-    diff += (got[i] - expected[i]) * (got[i] - expected[i]);
-    norm += static_cast<double>(expected[i]) * expected[i];
-  }
-  return std::sqrt(diff / norm);
-}
+using test::Golden;
+using test::model_dir;
+using test::read_golden;
+using test::relative_l2;
 
 // bf16 weights and activations against HF's fp32 run: measured errors are printed; the bound is the
 // bf16 tolerance of the project (relative L2 about 1e-2).

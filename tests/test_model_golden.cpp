@@ -4,42 +4,18 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <filesystem>
-#include <fstream>
 
-#include <nlohmann/json.hpp>
-
+#include "model_fixtures.h"
 #include "twell/error.h"
 #include "twell/model.h"
 
 namespace twell {
 namespace {
 
-std::string model_dir(const std::string& name) {
-  return (std::filesystem::path(__FILE__).parent_path() / "fixtures" / "models" / name).string();
-}
-
-struct Golden {
-  std::vector<int32_t> prompt;
-  std::vector<std::vector<double>> logits;  // [n, V]
-  std::vector<int32_t> greedy;
-};
-
-Golden read_golden(const std::string& name) {
-  std::ifstream stream(std::filesystem::path(model_dir(name)) / "golden.json");
-  const nlohmann::json json = nlohmann::json::parse(stream);
-  return {json["prompt"].get<std::vector<int32_t>>(), json["logits"].get<std::vector<std::vector<double>>>(),
-          json["greedy"].get<std::vector<int32_t>>()};
-}
-
-double relative_l2(const float* got, const std::vector<double>& expected) {
-  double diff = 0, norm = 0;
-  for (size_t i = 0; i < expected.size(); ++i) {
-    diff += (got[i] - expected[i]) * (got[i] - expected[i]);
-    norm += expected[i] * expected[i];
-  }
-  return std::sqrt(diff / norm);
-}
+using test::Golden;
+using test::model_dir;
+using test::read_golden;
+using test::relative_l2;
 
 // Prefill the prompt, then decode one token at a time through the cache.
 std::vector<int32_t> greedy_continuation(Model& model, const std::vector<int32_t>& prompt, int32_t new_tokens) {
