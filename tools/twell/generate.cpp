@@ -1,6 +1,8 @@
 // `twell generate`: load a checkpoint directory, tokenize the prompt, stream the continuation.
 #include <chrono>
 #include <cstdio>
+#include <functional>
+#include <memory>
 
 #include <fmt/format.h>
 
@@ -9,6 +11,10 @@
 #include "twell/error.h"
 #include "twell/model.h"
 #include "twell/tokenizer.h"
+#ifdef TWELL_HAVE_CUDA
+#include "twell/cuda.h"
+#include "twell/model_cuda.h"
+#endif
 
 namespace twell::cli {
 namespace {
@@ -34,7 +40,11 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 }
 
 void run_generate(const GenerateOptions& options) {
-  TWELL_REQUIRE(options.device == "cpu", "--device {}: the model runtime has only the CPU backend so far", options.device);
+  TWELL_REQUIRE(options.device == "cpu" || options.device == "cuda", "--device must be cpu or cuda, got '{}'",
+                options.device);
+#ifndef TWELL_HAVE_CUDA
+  TWELL_REQUIRE(options.device == "cpu", "--device cuda: this twell was built without CUDA");
+#endif
   TWELL_REQUIRE(options.new_tokens >= 0, "-n must be >= 0, got {}", options.new_tokens);
   cpu::set_num_threads(options.threads);
   const FfnPath path = parse_ffn_path(options.ffn);
@@ -70,14 +80,32 @@ void run_generate(const GenerateOptions& options) {
                  options.recall, 100.0 * predicted / calibration.size());
   }
 
+  // forward(tokens, n, logits of the last token): the chosen backend with its cache.
+  std::function<void(const int32_t*, int32_t, float*)> forward;
+  KvCache cache;
+#ifdef TWELL_HAVE_CUDA
+  std::unique_ptr<cuda::CudaModel> gpu;
+  if (options.device == "cuda") {
+    gpu = std::make_unique<cuda::CudaModel>(model);
+    gpu->set_ffn_path(path);
+    if (path == FfnPath::predict) gpu->set_predictor(model.predictor());
+    gpu->reset(1, std::max(capacity, 1));
+    std::fprintf(stderr, "twell: weights on %s (bf16)\n", cuda::device_name());
+    forward = [&](const int32_t* tokens, int32_t n, float* logits) { gpu->forward(tokens, n, logits); };
+  }
+#endif
+  if (!forward) {
+    cache = model.new_cache(std::max(capacity, 1));
+    forward = [&](const int32_t* tokens, int32_t n, float* logits) { model.forward(tokens, n, cache, logits); };
+  }
+
   std::fputs(options.prompt.c_str(), stdout);
   std::fflush(stdout);
-  KvCache cache = model.new_cache(std::max(capacity, 1));
   std::vector<float> logits(config.vocab_size);
   Sampler sampler(SamplerConfig{options.temperature, options.top_k, options.top_p, options.seed});
 
   const auto prefill_start = std::chrono::steady_clock::now();
-  model.forward(prompt.data(), static_cast<int32_t>(prompt.size()), cache, logits.data());
+  forward(prompt.data(), static_cast<int32_t>(prompt.size()), logits.data());
   const double prefill_s = seconds_since(prefill_start);
 
   // Stream: decode everything generated so far and print what is new, holding back an incomplete
@@ -99,7 +127,7 @@ void run_generate(const GenerateOptions& options) {
       std::fflush(stdout);
       shown.assign(text, 0, ready);
     }
-    if (step + 1 < options.new_tokens) model.forward(&token, 1, cache, logits.data());
+    if (step + 1 < options.new_tokens) forward(&token, 1, logits.data());
   }
   const double decode_s = seconds_since(decode_start);
   const std::string text = tokenizer->decode(generated);
@@ -107,8 +135,8 @@ void run_generate(const GenerateOptions& options) {
     std::fwrite(text.data() + shown.size(), 1, text.size() - shown.size(), stdout);
   std::fputs("\n", stdout);
   std::fprintf(stderr, "twell: prompt %zu tokens in %.3f s (%.1f tok/s); generated %zu tokens in %.3f s (%.1f tok/s), "
-               "--ffn %s\n", prompt.size(), prefill_s, prompt.size() / prefill_s, generated.size(), decode_s,
-               generated.empty() ? 0.0 : generated.size() / decode_s, options.ffn.c_str());
+               "--ffn %s, --device %s\n", prompt.size(), prefill_s, prompt.size() / prefill_s, generated.size(), decode_s,
+               generated.empty() ? 0.0 : generated.size() / decode_s, options.ffn.c_str(), options.device.c_str());
 }
 
 }  // namespace
@@ -123,7 +151,7 @@ void add_generate(CLI::App& app) {
   command->add_option("-n,--new-tokens", options->new_tokens, "tokens to generate")->capture_default_str();
   command->add_option("--ffn", options->ffn, "FFN path: dense, twell (ReLU models) or predict (ReLU models)")
       ->capture_default_str();
-  command->add_option("--device", options->device, "cpu (the CUDA runtime is not written yet)")->capture_default_str();
+  command->add_option("--device", options->device, "cpu or cuda (bf16 weights on the GPU)")->capture_default_str();
   command->add_option("--temperature", options->temperature, "0 = greedy")->capture_default_str();
   command->add_option("--top-k", options->top_k, "keep the k most likely tokens (0 = off)")->capture_default_str();
   command->add_option("--top-p", options->top_p, "nucleus sampling mass (1 = off)")->capture_default_str();
