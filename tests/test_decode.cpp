@@ -151,9 +151,9 @@ class DecodeTest : public testing::TestWithParam<DecodeCase> {
     signs_ = pack_sign_bits(work_.weights.relu_projection().data(), work_.weights.d_hidden, work_.weights.d_model);
   }
   const DecodeBackend& backend() const { return find_decode_backend(GetParam().backend); }
-  // The normalized one-bit gate has no CUDA kernel yet.
+  // The normalized one-bit and two-bit gates have no CUDA kernel yet.
   bool backend_runs(PredictorKind kind) const {
-    return !(GetParam().backend == "cuda" && kind == PredictorKind::normalized_one_bit_gate);
+    return GetParam().backend != "cuda" || kind == PredictorKind::sign_rule || kind == PredictorKind::one_bit_gate;
   }
   int64_t rows() const { return work_.spec.rows; }
   size_t output_count() const { return static_cast<size_t>(rows()) * work_.weights.d_model; }
@@ -182,7 +182,8 @@ TEST_P(DecodeTest, NothingSkippedEqualsDenseFfn) {
   ASSERT_GT(active, 0) << "the case must have active neurons";
   for (PredictorConfig predictor : {PredictorConfig{PredictorKind::sign_rule, kHugeSetting, 0.0},
                                     PredictorConfig{PredictorKind::one_bit_gate, 1.0, kHugeSetting},
-                                    PredictorConfig{PredictorKind::normalized_one_bit_gate, 1.0, kHugeSetting}}) {
+                                    PredictorConfig{PredictorKind::normalized_one_bit_gate, 1.0, kHugeSetting},
+                                    PredictorConfig{PredictorKind::two_bit_gate, 1.0, kHugeSetting}}) {
     SCOPED_TRACE(to_string(predictor.kind));
     std::vector<float> y;
     if (!backend_runs(predictor.kind)) {
@@ -222,19 +223,21 @@ TEST_P(DecodeTest, SignRuleMatchesReferencePrediction) {
   }
 }
 
-// The one-bit gates at a lossy margin placed in a gap between reference scores, so that rounding of
-// the fp32 score cannot move a neuron across it.
-TEST_P(DecodeTest, OneBitGatesMatchReferencePrediction) {
-  for (PredictorKind kind : {PredictorKind::one_bit_gate, PredictorKind::normalized_one_bit_gate}) {
+// The gates at a lossy margin placed in a gap between reference scores, so that rounding of the fp32
+// score cannot move a neuron across it.
+TEST_P(DecodeTest, GatesMatchReferencePrediction) {
+  for (PredictorKind kind :
+       {PredictorKind::one_bit_gate, PredictorKind::normalized_one_bit_gate, PredictorKind::two_bit_gate}) {
     SCOPED_TRACE(to_string(kind));
     if (backend_runs(kind)) expect_reference_prediction_at_a_gap(kind);
   }
 }
 
 void DecodeTest::expect_reference_prediction_at_a_gap(PredictorKind kind) {
-  const bool normalized = kind == PredictorKind::normalized_one_bit_gate;
-  const std::vector<double> scores = normalized ? ref::normalized_one_bit_gate(work_.x.data(), rows(), signs_)
-                                                : ref::one_bit_gate(work_.x.data(), rows(), signs_);
+  const std::vector<double> scores = kind == PredictorKind::two_bit_gate ? ref::two_bit_gate(work_.x.data(), rows(), signs_)
+                                     : kind == PredictorKind::normalized_one_bit_gate
+                                         ? ref::normalized_one_bit_gate(work_.x.data(), rows(), signs_)
+                                         : ref::one_bit_gate(work_.x.data(), rows(), signs_);
   std::vector<double> sorted = scores;
   std::sort(sorted.begin(), sorted.end());
   const double spread = sorted.back() - sorted.front();
@@ -244,9 +247,8 @@ void DecodeTest::expect_reference_prediction_at_a_gap(PredictorKind kind) {
     if (sorted[i + 1] - sorted[i] > sorted[best + 1] - sorted[best]) best = i;
   ASSERT_GT(sorted[best + 1] - sorted[best], 1e-4 * spread) << "no gap wide enough for an unambiguous margin";
   const double margin = -0.5 * (sorted[best] + sorted[best + 1]);
-  const std::vector<uint8_t> mask =
-      normalized ? ref::predict_active_normalized_one_bit_gate(work_.x.data(), rows(), signs_, margin)
-                 : ref::predict_active_one_bit_gate(work_.x.data(), rows(), signs_, margin);
+  std::vector<uint8_t> mask(scores.size());
+  for (size_t i = 0; i < scores.size(); ++i) mask[i] = scores[i] >= -margin;  // the rule of every gate
   const int64_t predicted = std::count(mask.begin(), mask.end(), 1);
   const std::vector<double> expected = ref::decode_ffn(work_.x.data(), rows(), work_.weights, mask);
   std::vector<float> y;
@@ -320,6 +322,25 @@ TEST_P(PredictorScoresTest, CountsAndScoresMatchReference) {
             << "row " << m << " neuron " << j;
       }
     }
+
+    std::vector<float> z2(counts.size(), std::numeric_limits<float>::quiet_NaN());
+    cpu::two_bit_gate(work.x.data(), rows, signs, z2.data());
+    const std::vector<double> expected_z2 = ref::two_bit_gate(work.x.data(), rows, signs);
+    for (int m = 0; m < rows; ++m) {
+      double abs_sum = 0, square_sum = 0;
+      for (int k = 0; k < cols; ++k) {
+        abs_sum += std::abs(work.x[m * cols + k]);
+        square_sum += static_cast<double>(work.x[m * cols + k]) * work.x[m * cols + k];
+      }
+      for (int j = 0; j < hidden; ++j) {
+        const size_t i = static_cast<size_t>(m) * hidden + j;
+        const double unit = signs.two_bit_residual[j] * std::sqrt(square_sum);
+        ASSERT_GT(unit, 0) << "random rows are not exactly two-level";
+        // Three masked fp32 sums of x, each off by ~1e-7 of Σ|x|, weighted by the scales.
+        const double rounding = 1e-6 * (signs.small_scale[j] + 3 * signs.large_scale[j]) * abs_sum / unit;
+        ASSERT_NEAR(z2[i], expected_z2[i], rounding + 1e-5 * std::abs(expected_z2[i])) << "row " << m << " neuron " << j;
+      }
+    }
   }
 }
 
@@ -354,6 +375,37 @@ TEST(DecodeSignBits, PackingIsBitExact) {
         residual_squares += std::pow(a - (a < 0 ? -1.0 : 1.0) * (abs_sum / cols), 2);
       }
       EXPECT_NEAR(packed.residual[r], std::sqrt(residual_squares / cols), 1e-6 * (abs_sum / cols) + 1e-7);
+
+      // The two-bit planes, from the definition: large iff |a| > the element at index K/2 of the sorted |a|.
+      std::vector<double> magnitudes;
+      for (int k = 0; k < cols; ++k) magnitudes.push_back(std::abs(matrix[r * cols + k]));
+      std::vector<double> sorted = magnitudes;
+      std::sort(sorted.begin(), sorted.end());
+      const double median = sorted[cols / 2];
+      double large_sum = 0, small_sum = 0;
+      int large_count = 0;
+      for (int k = 0; k < sign_words_per_row(cols) * 32; ++k) {
+        const size_t word = r * sign_words_per_row(cols) + k / 32;
+        const bool large = (packed.large[word] >> (k % 32)) & 1u;
+        const bool large_negative = (packed.large_negative[word] >> (k % 32)) & 1u;
+        const bool expected_large = k < cols && magnitudes[k] > median;
+        ASSERT_EQ(large, expected_large) << "row " << r << " column " << k;
+        ASSERT_EQ(large_negative, expected_large && matrix[r * cols + k] < 0.0f) << "row " << r << " column " << k;
+        if (k >= cols) continue;
+        (large ? large_sum : small_sum) += magnitudes[k];
+        large_count += large;
+      }
+      const double large_scale = large_count == 0 ? 0.0 : large_sum / large_count;
+      const double small_scale = small_sum / (cols - large_count);
+      EXPECT_NEAR(packed.large_scale[r], large_scale, 1e-6 * large_scale);
+      EXPECT_NEAR(packed.small_scale[r], small_scale, 1e-6 * small_scale);
+      double two_bit_squares = 0;
+      for (int k = 0; k < cols; ++k) {
+        const double a = matrix[r * cols + k];
+        const double approximation = (a < 0 ? -1.0 : 1.0) * (magnitudes[k] > median ? large_scale : small_scale);
+        two_bit_squares += (a - approximation) * (a - approximation);
+      }
+      EXPECT_NEAR(packed.two_bit_residual[r], std::sqrt(two_bit_squares / cols), 1e-6 * (abs_sum / cols) + 1e-7);
     }
   }
 }
@@ -373,8 +425,8 @@ TEST(DecodeCalibration, ReachesTargetRecall) {
   WorkloadSpec spec{.rows = 64, .d_model = 512, .d_hidden = 1024, .density = 0.02, .seed = 21};
   Workload work = make_workload(spec);
   const SignBits signs = pack_sign_bits(work.weights.gate.data(), spec.d_hidden, spec.d_model);
-  for (PredictorKind kind :
-       {PredictorKind::sign_rule, PredictorKind::one_bit_gate, PredictorKind::normalized_one_bit_gate})
+  for (PredictorKind kind : {PredictorKind::sign_rule, PredictorKind::one_bit_gate,
+                             PredictorKind::normalized_one_bit_gate, PredictorKind::two_bit_gate})
     for (double target : {0.9, 0.99, 1.0}) {
       SCOPED_TRACE(fmt::format("{} recall {}", to_string(kind), target));
       Calibration calibration = calibrate_predictor(work.x.data(), spec.rows, work.weights, signs, kind, target);
@@ -408,9 +460,12 @@ TEST(DecodeBadInput, RejectsWithAMessage) {
   const SignBits wrong = pack_sign_bits(work.weights.gate.data(), spec.d_hidden / 2, spec.d_model);
   EXPECT_THROW(cpu::decode_ffn(work.x.data(), 1, work.weights, wrong, {}, y.data(), scratch), Error);
   EXPECT_THROW(parse_predictor_kind("popcount"), Error);
-  for (PredictorKind kind :
-       {PredictorKind::sign_rule, PredictorKind::one_bit_gate, PredictorKind::normalized_one_bit_gate})
+  for (PredictorKind kind : {PredictorKind::sign_rule, PredictorKind::one_bit_gate,
+                             PredictorKind::normalized_one_bit_gate, PredictorKind::two_bit_gate})
     EXPECT_EQ(parse_predictor_kind(to_string(kind)), kind);
+  SignBits no_two_bit = signs;
+  no_two_bit.large.clear();
+  EXPECT_THROW(cpu::decode_ffn(work.x.data(), 1, work.weights, no_two_bit, {}, y.data(), scratch), Error);
   SignBits no_residual = signs;
   no_residual.residual.clear();
   EXPECT_THROW(cpu::decode_ffn(work.x.data(), 1, work.weights, no_residual, {}, y.data(), scratch), Error);

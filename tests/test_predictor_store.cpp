@@ -65,7 +65,8 @@ class PredictorStoreTest : public testing::Test {
 TEST_F(PredictorStoreTest, RoundTripThroughModelLoad) {
   EXPECT_TRUE(Model::load(dir_.string()).predictor().empty()) << "no file, no stored predictor";
   for (PredictorKind kind :
-       {PredictorKind::one_bit_gate, PredictorKind::sign_rule, PredictorKind::normalized_one_bit_gate}) {
+       {PredictorKind::one_bit_gate, PredictorKind::sign_rule, PredictorKind::normalized_one_bit_gate,
+        PredictorKind::two_bit_gate}) {
     SCOPED_TRACE(to_string(kind));
     const std::vector<Calibration> calibration = calibrate_and_store(kind);
     Model model = Model::load(dir_.string());

@@ -19,6 +19,12 @@
 //                 token, where the plain margin must cover the worst neuron. Same bits read, one
 //                 division more. On a real L1-trained model it keeps ~4x fewer neurons than the
 //                 one-bit gate at 99% recall (docs/perf-notes.md "Decode FFN"). CPU only so far.
+//   two-bit gate  the same normalized score with two bits per weight: W[j, k] ≈ sign·(large ?
+//                 large_scale_j : small_scale_j), large = |W[j, k]| above the row's median |W| (the
+//                 sign-bits format's second plane), divided by ||x||·two_bit_residual_j; predicted
+//                 active iff >= −margin. Twice the predictor's bits (three masked sums of x per
+//                 neuron on the CPU: the sign plane, the large plane and large AND negative), ~4x
+//                 fewer kept neurons than one-bit-norm on a real model. CPU only so far.
 // Each is a per-layer setting, chosen by calibrate_predictor for a target recall.
 //
 // The CUDA decode FFN is in twell/decode_cuda.h.
@@ -38,17 +44,17 @@ namespace twell {
 
 inline constexpr int32_t kDecodeMaxRows = 16;  // tokens per decode step the fused kernels support
 
-enum class PredictorKind { sign_rule, one_bit_gate, normalized_one_bit_gate };
-std::string to_string(PredictorKind kind);  // "sign", "one-bit", "one-bit-norm"
+enum class PredictorKind { sign_rule, one_bit_gate, normalized_one_bit_gate, two_bit_gate };
+std::string to_string(PredictorKind kind);  // "sign", "one-bit", "one-bit-norm", "two-bit-norm"
 PredictorKind parse_predictor_kind(const std::string& name);  // the names above; throws otherwise
 
 struct PredictorConfig {
   PredictorKind kind = PredictorKind::one_bit_gate;
   double alpha = 1.0;   // sign rule
-  double margin = 0.0;  // one-bit gates
+  double margin = 0.0;  // one-bit and two-bit gates
 };
 
-// z = score / (residual · norm), the normalized one-bit gate; a zero denominator (a row that is
+// z = score / (residual · norm), the normalized one-bit and two-bit gates; a zero denominator (a row that is
 // exactly ±scale, or x = 0) makes the estimate exact, so z is ±inf by the sign of the score (0 for 0).
 inline float normalized_score(float score, float residual, float norm) {
   const float unit = residual * norm;
@@ -106,6 +112,7 @@ namespace twell::cpu {
 void negative_sign_products(const float* x, int64_t rows, const SignBits& signs, int32_t* counts);  // [M, H]
 void one_bit_gate(const float* x, int64_t rows, const SignBits& signs, float* scores);               // [M, H]
 void normalized_one_bit_gate(const float* x, int64_t rows, const SignBits& signs, float* scores);    // [M, H] z
+void two_bit_gate(const float* x, int64_t rows, const SignBits& signs, float* scores);               // [M, H] z
 
 // Buffers reused across calls (grown, never shrunk); a call allocates only to grow them.
 struct DecodeScratch {

@@ -28,7 +28,7 @@ class DecodeLayer {
   DecodeLayer& operator=(const DecodeLayer&) = delete;
 
   // y [M, D] fp32 (device) from x [M, D] bf16 (device), 1 <= M <= kDecodeMaxRows. Asynchronous.
-  // The sign rule and the one-bit gate; the normalized one-bit gate is refused (CPU only so far).
+  // The sign rule and the one-bit gate; the normalized one-bit and two-bit gates are refused (CPU only so far).
   void run(const bf16* x, int64_t rows, const PredictorConfig& predictor, float* y, cudaStream_t stream,
            const DecodeOptions& options = {}) const;
   // Counters summed over every run since the last stats() call (then reset). Synchronizes `stream`.

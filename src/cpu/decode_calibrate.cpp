@@ -16,15 +16,16 @@ std::string to_string(PredictorKind kind) {
     case PredictorKind::sign_rule: return "sign";
     case PredictorKind::one_bit_gate: return "one-bit";
     case PredictorKind::normalized_one_bit_gate: return "one-bit-norm";
+    case PredictorKind::two_bit_gate: return "two-bit-norm";
   }
   return "?";
 }
 
 PredictorKind parse_predictor_kind(const std::string& name) {
-  for (PredictorKind kind :
-       {PredictorKind::sign_rule, PredictorKind::one_bit_gate, PredictorKind::normalized_one_bit_gate})
+  for (PredictorKind kind : {PredictorKind::sign_rule, PredictorKind::one_bit_gate,
+                             PredictorKind::normalized_one_bit_gate, PredictorKind::two_bit_gate})
     if (name == to_string(kind)) return kind;
-  fail("predictor must be 'sign', 'one-bit' or 'one-bit-norm', got '{}'", name);
+  fail("predictor must be 'sign', 'one-bit', 'one-bit-norm' or 'two-bit-norm', got '{}'", name);
 }
 
 int32_t sign_rule_max_negatives(double alpha, int32_t d_model) {
@@ -44,7 +45,7 @@ namespace {
 
 struct Samples {
   std::vector<float> projection;  // [M, H] exact x·W^T (fp32 kernels)
-  std::vector<float> scores;      // [M, H] one-bit gate (plain or normalized), or N_neg as float for the sign rule
+  std::vector<float> scores;      // [M, H] a gate's score, or N_neg as float for the sign rule
 };
 
 Samples score_samples(const float* x, int64_t rows, const FfnWeights& weights, const SignBits& signs,
@@ -69,6 +70,8 @@ Samples score_samples(const float* x, int64_t rows, const FfnWeights& weights, c
     cpu::one_bit_gate(x, rows, signs, samples.scores.data());
   } else if (kind == PredictorKind::normalized_one_bit_gate) {
     cpu::normalized_one_bit_gate(x, rows, signs, samples.scores.data());
+  } else if (kind == PredictorKind::two_bit_gate) {
+    cpu::two_bit_gate(x, rows, signs, samples.scores.data());
   } else {
     std::vector<int32_t> counts(samples.scores.size());
     cpu::negative_sign_products(x, rows, signs, counts.data());

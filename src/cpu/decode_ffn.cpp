@@ -45,6 +45,11 @@ void require_signs_match(const SignBits& signs, int32_t hidden, int32_t cols) {
                 hidden, signs.scale.size());
   TWELL_REQUIRE(signs.residual.size() == static_cast<size_t>(hidden), "signs.residual must hold H = {} values, got {}",
                 hidden, signs.residual.size());
+  TWELL_REQUIRE(signs.large.size() == signs.bits.size() && signs.large_negative.size() == signs.bits.size() &&
+                    signs.small_scale.size() == static_cast<size_t>(hidden) &&
+                    signs.large_scale.size() == static_cast<size_t>(hidden) &&
+                    signs.two_bit_residual.size() == static_cast<size_t>(hidden),
+                "signs must carry the two-bit planes and scales of pack_sign_bits (H = {})", hidden);
 }
 
 // x [M, D] -> x_padded [M, 32·words] (zeros past D), row sums and norms, and, when asked, its sign
@@ -91,12 +96,23 @@ class RowPredictor {
   float normalized_one_bit_gate(int32_t neuron) const {
     return normalized_score(one_bit_gate(neuron), signs_.residual[neuron], row_norm_);
   }
+  // x·(sign·(small + (large − small)·L)) = small·(Σx − 2·Σ_neg x) + (large − small)·(Σ_L x − 2·Σ_{L∧neg} x).
+  float two_bit_gate(int32_t neuron) const {
+    const size_t offset = static_cast<size_t>(neuron) * words_;
+    const float small = signs_.small_scale[neuron], large = signs_.large_scale[neuron];
+    const float signed_sum = row_sum_ - 2.0f * kernels_.negative_sum(x_padded_, neuron_bits(neuron), words_);
+    const float large_signed_sum = kernels_.negative_sum(x_padded_, signs_.large.data() + offset, words_) -
+                                   2.0f * kernels_.negative_sum(x_padded_, signs_.large_negative.data() + offset, words_);
+    return normalized_score(small * signed_sum + (large - small) * large_signed_sum, signs_.two_bit_residual[neuron],
+                            row_norm_);
+  }
   // Predicted active under `kind` with its integer (sign rule) or score (one-bit gates) threshold.
   bool predicts_active(PredictorKind kind, int32_t neuron, int32_t max_negatives, float min_score) const {
     switch (kind) {
       case PredictorKind::sign_rule: return negative_count(neuron) <= max_negatives;
       case PredictorKind::one_bit_gate: return one_bit_gate(neuron) >= min_score;
       case PredictorKind::normalized_one_bit_gate: return normalized_one_bit_gate(neuron) >= min_score;
+      case PredictorKind::two_bit_gate: return two_bit_gate(neuron) >= min_score;
     }
     return true;
   }
@@ -150,6 +166,10 @@ void one_bit_gate(const float* x, int64_t rows, const SignBits& signs, float* sc
 
 void normalized_one_bit_gate(const float* x, int64_t rows, const SignBits& signs, float* scores) {
   score_rows(x, rows, signs, &RowPredictor::normalized_one_bit_gate, scores);
+}
+
+void two_bit_gate(const float* x, int64_t rows, const SignBits& signs, float* scores) {
+  score_rows(x, rows, signs, &RowPredictor::two_bit_gate, scores);
 }
 
 DecodeStats decode_ffn(const float* x, int64_t rows, const FfnWeights& weights, const SignBits& signs,

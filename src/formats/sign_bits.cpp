@@ -1,6 +1,7 @@
 // Sign-bit packing (include/twell/formats/sign_bits.h).
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "twell/convert.h"
 #include "twell/error.h"
@@ -18,6 +19,12 @@ SignBits pack_sign_bits(const float* matrix, int32_t rows, int32_t cols) {
   packed.bits.assign(static_cast<size_t>(rows) * words, 0u);  // padding bits stay 0
   packed.scale.assign(static_cast<size_t>(rows), 0.0f);
   packed.residual.assign(static_cast<size_t>(rows), 0.0f);
+  packed.large.assign(packed.bits.size(), 0u);
+  packed.large_negative.assign(packed.bits.size(), 0u);
+  packed.small_scale.assign(static_cast<size_t>(rows), 0.0f);
+  packed.large_scale.assign(static_cast<size_t>(rows), 0.0f);
+  packed.two_bit_residual.assign(static_cast<size_t>(rows), 0.0f);
+  std::vector<float> magnitudes(static_cast<size_t>(cols));
   for (int32_t r = 0; r < rows; ++r) {
     const float* row = matrix + static_cast<size_t>(r) * cols;  // [K]
     uint32_t* row_bits = packed.bits.data() + static_cast<size_t>(r) * words;
@@ -33,6 +40,34 @@ SignBits pack_sign_bits(const float* matrix, int32_t rows, int32_t cols) {
     // mean (a − scale·sign a)² = mean a² − 2·scale·mean |a| + scale² = mean a² − scale²; rounding
     // can take it a hair below 0 when every |a| is equal (an exact 1-bit row).
     packed.residual[r] = static_cast<float>(std::sqrt(std::max(0.0, square_sum / cols - scale * scale)));
+
+    for (int32_t k = 0; k < cols; ++k) magnitudes[k] = std::abs(row[k]);
+    std::nth_element(magnitudes.begin(), magnitudes.begin() + cols / 2, magnitudes.end());
+    const float median = magnitudes[cols / 2];
+    uint32_t* large = packed.large.data() + static_cast<size_t>(r) * words;
+    uint32_t* large_negative = packed.large_negative.data() + static_cast<size_t>(r) * words;
+    double large_sum = 0.0;
+    int32_t large_count = 0;
+    for (int32_t k = 0; k < cols; ++k) {
+      if (!(std::abs(row[k]) > median)) continue;
+      const uint32_t bit = 1u << (k % kSignBitsPerWord);
+      large[k / kSignBitsPerWord] |= bit;
+      large_negative[k / kSignBitsPerWord] |= row_bits[k / kSignBitsPerWord] & bit;
+      large_sum += std::abs(static_cast<double>(row[k]));
+      ++large_count;
+    }
+    // At least half the elements are <= the median, so the small set is never empty.
+    const double small_scale = (abs_sum - large_sum) / (cols - large_count);
+    const double large_scale = large_count == 0 ? 0.0 : large_sum / large_count;
+    double two_bit_squares = 0.0;
+    for (int32_t k = 0; k < cols; ++k) {
+      const bool is_large = (large[k / kSignBitsPerWord] >> (k % kSignBitsPerWord)) & 1u;
+      const double magnitude_error = std::abs(static_cast<double>(row[k])) - (is_large ? large_scale : small_scale);
+      two_bit_squares += magnitude_error * magnitude_error;  // same sign, so |a − approx| = ||a| − scale|
+    }
+    packed.small_scale[r] = static_cast<float>(small_scale);
+    packed.large_scale[r] = static_cast<float>(large_scale);
+    packed.two_bit_residual[r] = static_cast<float>(std::sqrt(two_bit_squares / cols));
   }
   return packed;
 }

@@ -9,9 +9,23 @@
 namespace twell::ref {
 namespace {
 
-bool sign_bit(const SignBits& signs, int64_t row, int32_t col) {
-  uint32_t word = signs.bits[static_cast<size_t>(row) * signs.words_per_row() + col / kSignBitsPerWord];
+bool plane_bit(const std::vector<uint32_t>& plane, const SignBits& signs, int64_t row, int32_t col) {
+  uint32_t word = plane[static_cast<size_t>(row) * signs.words_per_row() + col / kSignBitsPerWord];
   return (word >> (col % kSignBitsPerWord)) & 1u;
+}
+
+bool sign_bit(const SignBits& signs, int64_t row, int32_t col) { return plane_bit(signs.bits, signs, row, col); }
+
+// s / (residual · ||x||), ±inf or 0 where the denominator is 0.
+double normalized(double score, double residual, double norm) {
+  const double unit = residual * norm;
+  return unit > 0 ? score / unit : score > 0 ? INFINITY : score < 0 ? -INFINITY : 0.0;
+}
+
+double row_norm(const float* x_row, int32_t cols) {
+  double square_sum = 0;
+  for (int32_t k = 0; k < cols; ++k) square_sum += static_cast<double>(x_row[k]) * x_row[k];
+  return std::sqrt(square_sum);
 }
 
 void require_packed(const SignBits& signs, const char* name) {
@@ -69,37 +83,42 @@ std::vector<double> one_bit_gate(const float* x, int64_t rows, const SignBits& g
   return scores;
 }
 
-std::vector<uint8_t> predict_active_one_bit_gate(const float* x, int64_t rows, const SignBits& gate_signs,
-                                                 double margin) {
-  std::vector<double> scores = one_bit_gate(x, rows, gate_signs);
-  std::vector<uint8_t> active(scores.size());
-  for (size_t i = 0; i < scores.size(); ++i) active[i] = scores[i] >= -margin;
-  return active;
-}
-
 std::vector<double> normalized_one_bit_gate(const float* x, int64_t rows, const SignBits& gate_signs) {
   TWELL_REQUIRE(gate_signs.residual.size() == static_cast<size_t>(gate_signs.rows),
                 "gate_signs.residual must hold R = {} values, got {}", gate_signs.rows, gate_signs.residual.size());
   std::vector<double> scores = one_bit_gate(x, rows, gate_signs);
   const int32_t hidden = gate_signs.rows, cols = gate_signs.cols;
   for (int64_t m = 0; m < rows; ++m) {
-    double square_sum = 0;
-    for (int32_t k = 0; k < cols; ++k) square_sum += static_cast<double>(x[m * cols + k]) * x[m * cols + k];
+    const double norm = row_norm(x + m * cols, cols);
     for (int32_t j = 0; j < hidden; ++j) {
       double& score = scores[static_cast<size_t>(m) * hidden + j];
-      const double unit = static_cast<double>(gate_signs.residual[j]) * std::sqrt(square_sum);
-      score = unit > 0 ? score / unit : score > 0 ? INFINITY : score < 0 ? -INFINITY : 0.0;
+      score = normalized(score, gate_signs.residual[j], norm);
     }
   }
   return scores;
 }
 
-std::vector<uint8_t> predict_active_normalized_one_bit_gate(const float* x, int64_t rows, const SignBits& gate_signs,
-                                                            double margin) {
-  std::vector<double> scores = normalized_one_bit_gate(x, rows, gate_signs);
-  std::vector<uint8_t> active(scores.size());
-  for (size_t i = 0; i < scores.size(); ++i) active[i] = scores[i] >= -margin;
-  return active;
+std::vector<double> two_bit_gate(const float* x, int64_t rows, const SignBits& gate_signs) {
+  require_packed(gate_signs, "gate_signs");
+  TWELL_REQUIRE(rows >= 1, "rows (M) must be >= 1, got {}", rows);
+  const int32_t hidden = gate_signs.rows, cols = gate_signs.cols;
+  TWELL_REQUIRE(gate_signs.large.size() == gate_signs.bits.size() &&
+                    gate_signs.two_bit_residual.size() == static_cast<size_t>(hidden),
+                "gate_signs must carry the two-bit plane and scales of pack_sign_bits");
+  std::vector<double> scores(static_cast<size_t>(rows) * hidden);
+  for (int64_t m = 0; m < rows; ++m) {
+    const double norm = row_norm(x + m * cols, cols);
+    for (int32_t j = 0; j < hidden; ++j) {
+      const double large_scale = gate_signs.large_scale[j], small_scale = gate_signs.small_scale[j];
+      double sum = 0;
+      for (int32_t k = 0; k < cols; ++k) {
+        const double magnitude = plane_bit(gate_signs.large, gate_signs, j, k) ? large_scale : small_scale;
+        sum += (sign_bit(gate_signs, j, k) ? -magnitude : magnitude) * x[m * cols + k];
+      }
+      scores[static_cast<size_t>(m) * hidden + j] = normalized(sum, gate_signs.two_bit_residual[j], norm);
+    }
+  }
+  return scores;
 }
 
 std::vector<double> decode_ffn(const float* x, int64_t rows, const FfnWeights& weights,

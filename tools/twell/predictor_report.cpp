@@ -69,7 +69,8 @@ void run_report(const ReportOptions& options) {
                 "--calibrate-fraction must lie in (0, 1), got {}", options.calibrate_fraction);
   std::vector<PredictorKind> kinds;
   if (options.kind == "all")
-    kinds = {PredictorKind::sign_rule, PredictorKind::one_bit_gate, PredictorKind::normalized_one_bit_gate};
+    kinds = {PredictorKind::sign_rule, PredictorKind::one_bit_gate, PredictorKind::normalized_one_bit_gate,
+             PredictorKind::two_bit_gate};
   else
     kinds = {parse_predictor_kind(options.kind)};
   cpu::set_num_threads(options.threads);
@@ -179,7 +180,7 @@ void add_predictor_report(CLI::App& app) {
       "predictor-report", "decode predictor quality per layer on a checkpoint and a text: table, CSV and JSON");
   command->add_option("-m,--model", options->model_dir, "checkpoint directory")->required()->check(CLI::ExistingDirectory);
   command->add_option("-f,--file", options->text_file, "text file")->required()->check(CLI::ExistingFile);
-  command->add_option("--kind", options->kind, "predictor: sign, one-bit, one-bit-norm or all")->capture_default_str();
+  command->add_option("--kind", options->kind, "predictor: sign, one-bit, one-bit-norm, two-bit-norm or all")->capture_default_str();
   command->add_option("--recall", options->recall, "target recall each predictor is calibrated for")
       ->capture_default_str();
   command->add_option("--calibrate-fraction", options->calibrate_fraction,

@@ -11,6 +11,13 @@
 //   residual float [R] rms over the K elements of A[r, k] − scale[r]·sign(A[r, k]) (sign +1 where
 //                      the bit is 0), = sqrt(mean A[r, :]² − scale[r]²): how far the 1-bit
 //                      approximation is from the row (used by the normalized 1-bit gate).
+// The two-bit approximation (two-bit gate): A[r, k] ≈ sign(A[r, k])·(large ? large_scale : small_scale)[r]
+//   large            uint32 [R, words_per_row]  bit set iff |A[r, k]| > median over k of |A[r, :]|
+//                                               (the upper median for even K); padding bits 0
+//   large_negative   uint32 [R, words_per_row]  large AND bits (so one masked-sum loop serves all)
+//   small_scale      float  [R]  mean |A[r, k]| over the elements whose large bit is 0
+//   large_scale      float  [R]  mean |A[r, k]| over the elements whose large bit is 1 (0 when none)
+//   two_bit_residual float  [R]  rms over the K elements of A[r, k] − that approximation
 // The same packing applies to the gate weights Wg [H, D] (once, at load) and to a token x [D]
 // (per call).
 #pragma once
