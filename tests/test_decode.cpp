@@ -305,42 +305,35 @@ TEST_P(PredictorScoresTest, CountsAndScoresMatchReference) {
       }
     }
 
-    std::vector<float> z(counts.size(), std::numeric_limits<float>::quiet_NaN());
-    cpu::normalized_one_bit_gate(work.x.data(), rows, signs, z.data());
-    const std::vector<double> expected_z = ref::normalized_one_bit_gate(work.x.data(), rows, signs);
-    for (int m = 0; m < rows; ++m) {
-      double abs_sum = 0, square_sum = 0;
-      for (int k = 0; k < cols; ++k) {
-        abs_sum += std::abs(work.x[m * cols + k]);
-        square_sum += static_cast<double>(work.x[m * cols + k]) * work.x[m * cols + k];
+    // The normalized gates: z = score / (residual_j·||x||). The fp32 masked sums are off by ~1e-7 of
+    // Σ|x| each, times the scale that weighs them (one sum for the one-bit gate, three for two-bit).
+    using Scores = void (*)(const float*, int64_t, const SignBits&, float*);
+    using ReferenceScores = std::vector<double> (*)(const float*, int64_t, const SignBits&);
+    const auto expect_normalized = [&](const char* name, Scores scores_of, ReferenceScores reference,
+                                       const std::vector<float>& residual, const std::function<double(int)>& weight) {
+      SCOPED_TRACE(name);
+      std::vector<float> z(counts.size(), std::numeric_limits<float>::quiet_NaN());
+      scores_of(work.x.data(), rows, signs, z.data());
+      const std::vector<double> expected_z = reference(work.x.data(), rows, signs);
+      for (int m = 0; m < rows; ++m) {
+        double abs_sum = 0, square_sum = 0;
+        for (int k = 0; k < cols; ++k) {
+          abs_sum += std::abs(work.x[m * cols + k]);
+          square_sum += static_cast<double>(work.x[m * cols + k]) * work.x[m * cols + k];
+        }
+        for (int j = 0; j < hidden; ++j) {
+          const size_t i = static_cast<size_t>(m) * hidden + j;
+          const double unit = residual[j] * std::sqrt(square_sum);
+          ASSERT_GT(unit, 0) << "random rows are not exactly their approximation";
+          ASSERT_NEAR(z[i], expected_z[i], 1e-6 * weight(j) * abs_sum / unit + 1e-5 * std::abs(expected_z[i]))
+              << "row " << m << " neuron " << j;
+        }
       }
-      for (int j = 0; j < hidden; ++j) {
-        const size_t i = static_cast<size_t>(m) * hidden + j;
-        const double unit = signs.residual[j] * std::sqrt(square_sum);
-        ASSERT_GT(unit, 0) << "random rows are not exactly ±scale";
-        ASSERT_NEAR(z[i], expected_z[i], 1e-6 * signs.scale[j] * abs_sum / unit + 1e-5 * std::abs(expected_z[i]))
-            << "row " << m << " neuron " << j;
-      }
-    }
-
-    std::vector<float> z2(counts.size(), std::numeric_limits<float>::quiet_NaN());
-    cpu::two_bit_gate(work.x.data(), rows, signs, z2.data());
-    const std::vector<double> expected_z2 = ref::two_bit_gate(work.x.data(), rows, signs);
-    for (int m = 0; m < rows; ++m) {
-      double abs_sum = 0, square_sum = 0;
-      for (int k = 0; k < cols; ++k) {
-        abs_sum += std::abs(work.x[m * cols + k]);
-        square_sum += static_cast<double>(work.x[m * cols + k]) * work.x[m * cols + k];
-      }
-      for (int j = 0; j < hidden; ++j) {
-        const size_t i = static_cast<size_t>(m) * hidden + j;
-        const double unit = signs.two_bit_residual[j] * std::sqrt(square_sum);
-        ASSERT_GT(unit, 0) << "random rows are not exactly two-level";
-        // Three masked fp32 sums of x, each off by ~1e-7 of Σ|x|, weighted by the scales.
-        const double rounding = 1e-6 * (signs.small_scale[j] + 3 * signs.large_scale[j]) * abs_sum / unit;
-        ASSERT_NEAR(z2[i], expected_z2[i], rounding + 1e-5 * std::abs(expected_z2[i])) << "row " << m << " neuron " << j;
-      }
-    }
+    };
+    expect_normalized("one-bit-norm", cpu::normalized_one_bit_gate, ref::normalized_one_bit_gate, signs.residual,
+                      [&](int j) { return signs.scale[j]; });
+    expect_normalized("two-bit-norm", cpu::two_bit_gate, ref::two_bit_gate, signs.two_bit_residual,
+                      [&](int j) { return signs.small_scale[j] + 3 * signs.large_scale[j]; });
   }
 }
 
