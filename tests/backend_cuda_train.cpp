@@ -280,7 +280,8 @@ TEST_P(CudaTrainTest, DensePathMatchesReference) {
 
 // Corners: one row; nothing active; everything active (every row far over W, every tile spilled);
 // half active with W = 8 (most rows in a backup far larger than its first capacity); skew; the
-// automatic width; odd H; D not a multiple of 64.
+// automatic width; odd H; D not a multiple of 64; hot neurons whose lists span several chunks of
+// the weight-gradient kernel (1000 entries in chunks of 256).
 INSTANTIATE_TEST_SUITE_P(Cases, CudaTrainTest,
                          testing::Values(TrainCase{1, 64, 128, 0.02, 16, 0.01},
                                          TrainCase{3, 64, 1000, 0.0, 1, 0.3},
@@ -289,7 +290,8 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaTrainTest,
                                          TrainCase{300, 512, 1000, 0.005, 32, 0.01, 3},
                                          TrainCase{257, 200, 4097, 0.02, 0, 0.0},
                                          TrainCase{128, 2048, 5632, 0.005, 0, 0.01},
-                                         TrainCase{64, 1024, 2048, 0.1, 24, 0.3, 5}),
+                                         TrainCase{64, 1024, 2048, 0.1, 24, 0.3, 5},
+                                         TrainCase{1000, 128, 512, 0.02, 64, 0.01, 4}),
                          case_name);
 
 // The op as a trainer calls it: gate packed by the CUDA gate kernel, automatic dispatch, several

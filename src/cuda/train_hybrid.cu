@@ -156,6 +156,15 @@ __global__ void neuron_list_keys_kernel(HybridView gate, int32_t* keys, int32_t*
   }
 }
 
+// Chunks per neuron (at least one) from the scanned list starts; the last entry stays 0.
+__global__ void neuron_chunk_count_kernel(const int32_t* col_start, int32_t cols, int32_t chunk_entries,
+                                          int32_t* chunk_count) {
+  for (int32_t j = blockIdx.x * blockDim.x + threadIdx.x; j <= cols; j += gridDim.x * blockDim.x) {
+    const int32_t entries = j < cols ? col_start[j + 1] - col_start[j] : 0;
+    chunk_count[j] = j < cols ? max(1, (entries + chunk_entries - 1) / chunk_entries) : 0;
+  }
+}
+
 int bits_for(int32_t max_value) {
   int bits = 1;
   while ((int64_t{1} << bits) <= max_value) ++bits;
@@ -310,6 +319,20 @@ void build_neuron_lists(const HybridView& gate, NeuronLists& lists, cudaStream_t
   TWELL_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(lists.sort_scratch.data(), scan_bytes, lists.col_count.data(),
                                                  lists.col_start.data(), cols + 1, stream));
   lists.sorted_entries = entries.Current();
+
+  // Chunks small enough that the hottest neuron no longer sets the time, large enough that the
+  // partial rows stay under 2048 per output (16 MiB at D = 2048).
+  constexpr int64_t kMinChunkEntries = 256, kMaxPartialRows = 2048;
+  lists.chunk_entries =
+      static_cast<int32_t>(std::max(kMinChunkEntries, (count + kMaxPartialRows - 1) / kMaxPartialRows));
+  lists.max_partials = count / lists.chunk_entries;
+  lists.max_chunks = cols + lists.max_partials;
+  lists.chunk_start.resize(cols + 1);
+  neuron_chunk_count_kernel<<<(cols + threads) / threads, threads, 0, stream>>>(
+      lists.col_start.data(), cols, lists.chunk_entries, lists.col_count.data());
+  TWELL_CUDA_CHECK_LAUNCH();
+  TWELL_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(lists.sort_scratch.data(), scan_bytes, lists.col_count.data(),
+                                                 lists.chunk_start.data(), cols + 1, stream));
 }
 
 }  // namespace twell::cuda

@@ -60,17 +60,29 @@ HybridView view_of(const DeviceHybrid& hybrid);
 // Per-neuron list of the ELL entries (rows over W excluded), built on the device: the sparse
 // transpose the weight gradients read. Entries of neuron j are entry[col_start[j] .. col_start[j+1])
 // in ascending row order (a stable radix sort), each an ELL index r·W + k.
+//
+// The weight gradients walk each list in chunks of at most `chunk_entries` entries, one block per
+// chunk: one neuron's list can be ~30x the mean (hot neurons), and one block walking it alone would
+// set the kernel's time. Neuron j owns chunks chunk_start[j] .. chunk_start[j+1] (at least one, so
+// every gradient row is written); chunk c > 0 of neuron j leaves its partial row in slot
+// chunk_start[j] - j + c - 1 of `partial`, added in chunk order afterwards (deterministic).
 struct NeuronLists {
   DeviceBuffer<int32_t> keys[2];     // [M·W] column (H for padding), double buffer
   DeviceBuffer<int32_t> entries[2];  // [M·W] ELL index, double buffer
-  DeviceBuffer<int32_t> col_count;   // [H + 1]
+  DeviceBuffer<int32_t> col_count;   // [H + 1] entries, then chunks per neuron
   DeviceBuffer<int32_t> col_start;   // [H + 1]
+  DeviceBuffer<int32_t> chunk_start;  // [H + 1]
   DeviceBuffer<uint8_t> sort_scratch;
+  DeviceBuffer<float> partial[2];     // [max_partials, D] each: chunk partial sums of the two outputs
   const int32_t* sorted_entries = nullptr;  // points into entries[0] or entries[1]
+  int32_t chunk_entries = 0;
+  int64_t max_chunks = 0;    // bound on chunk_start[H]: H + M·W / chunk_entries
+  int64_t max_partials = 0;  // bound on chunk_start[H] - H: M·W / chunk_entries
 
   int64_t bytes() const {
     return static_cast<int64_t>(keys[0].bytes() + keys[1].bytes() + entries[0].bytes() + entries[1].bytes() +
-                                col_count.bytes() + col_start.bytes() + sort_scratch.bytes());
+                                col_count.bytes() + col_start.bytes() + chunk_start.bytes() + sort_scratch.bytes() +
+                                partial[0].bytes() + partial[1].bytes());
   }
 };
 void build_neuron_lists(const HybridView& gate, NeuronLists& lists, cudaStream_t stream);
@@ -89,7 +101,8 @@ void sampled_hidden_grad(const HybridView& gate, const bf16* dy, const bf16* w_d
 void ell_rows_times_weights(const HybridView& gate, const float* a_ell, const bf16* w_a, const float* b_ell,
                             const bf16* w_b, int32_t d_model, bf16* out, cudaStream_t stream);
 // out_a[j, :] = Σ_{(r,k) in list j} a[r, k]·rows[r, :] (and out_b with b), fp32 [H, D], every row written.
-void neuron_weight_grads(const NeuronLists& lists, const HybridShape& shape, const float* a_ell, const float* b_ell,
+// Grows the lists' partial-row scratch on first use.
+void neuron_weight_grads(NeuronLists& lists, const HybridShape& shape, const float* a_ell, const float* b_ell,
                          const bf16* rows, int32_t d_model, float* out_a, float* out_b, cudaStream_t stream);
 
 // ---- Backup rows and the dense path ----

@@ -197,20 +197,46 @@ __global__ void ell_rows_kernel(HybridView gate, const float* a_ell, const bf16*
 // add their partial sums in shared memory in a fixed order (deterministic).
 constexpr int kNeuronGroups = 4;
 
-// out_a[j, :] = Σ a[e]·rows[row(e), :] over neuron j's list (and out_b with b); fp32, every row written.
-// Block = kNeuronGroups groups of `group_threads` threads; a thread owns 8 columns.
+// The chunked neuron lists (NeuronLists) as the kernel reads them.
+struct ChunkedLists {
+  const int32_t* col_start;
+  const int32_t* chunk_start;
+  const int32_t* sorted_entries;
+  int32_t cols;
+  int32_t chunk_entries;
+};
+
+// Σ a[e]·rows[row(e), :] over one chunk of neuron j's list (and the same with b), fp32: chunk 0
+// into out_a[j, :], chunk c > 0 into its partial slot (NeuronLists). Block = one chunk, as
+// kNeuronGroups groups of `group_threads` threads; a thread owns 8 columns.
 template <bool kTwoTerms>
 __global__ void __launch_bounds__(kNeuronGroups * kMaxBatch)
-    neuron_grad_kernel(const int32_t* col_start, const int32_t* sorted_entries, int32_t width, const float* a_ell,
-                       const float* b_ell, const bf16* rows, int32_t d_model, float* out_a, float* out_b) {
+    neuron_grad_kernel(ChunkedLists lists, int32_t width, const float* a_ell, const float* b_ell, const bf16* rows,
+                       int32_t d_model, float* out_a, float* out_b, float* partial_a, float* partial_b) {
   constexpr int kBatch = kNeuronGroups * kMaxBatch;
   __shared__ int32_t s_row[kBatch];
   __shared__ float s_a[kBatch];
   __shared__ float s_b[kBatch];
   __shared__ float s_partial_a[2][kMaxBatch * kVector];  // two groups' partial sums
   __shared__ float s_partial_b[kTwoTerms ? 2 : 1][kTwoTerms ? kMaxBatch * kVector : 1];
-  const int64_t neuron = blockIdx.x;
-  const int32_t begin = col_start[neuron], end = col_start[neuron + 1];
+  const int32_t chunk = blockIdx.x;
+  if (chunk >= lists.chunk_start[lists.cols]) return;  // the grid is launched for the bound
+  // The neuron owning this chunk: the last j with chunk_start[j] <= chunk (starts strictly increase).
+  int32_t lo = 0, hi = lists.cols - 1;
+  while (lo < hi) {
+    const int32_t mid = (lo + hi + 1) / 2;
+    if (lists.chunk_start[mid] <= chunk) lo = mid; else hi = mid - 1;
+  }
+  const int64_t neuron = lo;
+  const int32_t chunk_in_list = chunk - lists.chunk_start[neuron];
+  const int32_t begin = lists.col_start[neuron] + chunk_in_list * lists.chunk_entries;
+  const int32_t end = min(lists.col_start[neuron + 1], begin + lists.chunk_entries);
+  const int64_t out_row = chunk_in_list == 0 ? neuron : lists.chunk_start[neuron] - neuron + chunk_in_list - 1;
+  if (chunk_in_list > 0) {
+    out_a = partial_a;
+    out_b = partial_b;
+  }
+  const int32_t* sorted_entries = lists.sorted_entries;
   const int32_t vectors = d_model / kVector;
   const int group_threads = blockDim.x / kNeuronGroups;
   const int group = threadIdx.x / group_threads, lane = threadIdx.x % group_threads;
@@ -255,14 +281,35 @@ __global__ void __launch_bounds__(kNeuronGroups * kMaxBatch)
         }
     }
     if (group != 0 || !active) continue;
-    float4* dst_a = reinterpret_cast<float4*>(out_a + neuron * d_model) + 2 * v;
+    float4* dst_a = reinterpret_cast<float4*>(out_a + out_row * d_model) + 2 * v;
     dst_a[0] = make_float4(acc_a[0], acc_a[1], acc_a[2], acc_a[3]);
     dst_a[1] = make_float4(acc_a[4], acc_a[5], acc_a[6], acc_a[7]);
     if (kTwoTerms) {
-      float4* dst_b = reinterpret_cast<float4*>(out_b + neuron * d_model) + 2 * v;
+      float4* dst_b = reinterpret_cast<float4*>(out_b + out_row * d_model) + 2 * v;
       dst_b[0] = make_float4(acc_b[0], acc_b[1], acc_b[2], acc_b[3]);
       dst_b[1] = make_float4(acc_b[4], acc_b[5], acc_b[6], acc_b[7]);
     }
+  }
+}
+
+// out[j, :] += the partial rows of neuron j's chunks 1.. in chunk order (block per neuron).
+__global__ void neuron_chunk_sum_kernel(const int32_t* chunk_start, const float* partial, int32_t d_model,
+                                        float* out) {
+  const int32_t neuron = blockIdx.x;
+  const int32_t chunks = chunk_start[neuron + 1] - chunk_start[neuron];
+  if (chunks <= 1) return;
+  const int64_t first = chunk_start[neuron] - neuron;
+  const int32_t vectors = d_model / 4;
+  for (int32_t v = threadIdx.x; v < vectors; v += blockDim.x) {
+    float4 sum = reinterpret_cast<const float4*>(out + static_cast<int64_t>(neuron) * d_model)[v];
+    for (int32_t c = 0; c + 1 < chunks; ++c) {
+      const float4 p = reinterpret_cast<const float4*>(partial + (first + c) * d_model)[v];
+      sum.x += p.x;
+      sum.y += p.y;
+      sum.z += p.z;
+      sum.w += p.w;
+    }
+    reinterpret_cast<float4*>(out + static_cast<int64_t>(neuron) * d_model)[v] = sum;
   }
 }
 
@@ -450,15 +497,29 @@ void ell_rows_times_weights(const HybridView& gate, const float* a_ell, const bf
   TWELL_CUDA_CHECK_LAUNCH();
 }
 
-void neuron_weight_grads(const NeuronLists& lists, const HybridShape& shape, const float* a_ell, const float* b_ell,
+void neuron_weight_grads(NeuronLists& lists, const HybridShape& shape, const float* a_ell, const float* b_ell,
                          const bf16* rows, int32_t d_model, float* out_a, float* out_b, cudaStream_t stream) {
+  const int64_t partial_count = lists.max_partials * d_model;
+  lists.partial[0].resize(partial_count);
+  if (b_ell) lists.partial[1].resize(partial_count);
+  const ChunkedLists chunked{lists.col_start.data(), lists.chunk_start.data(), lists.sorted_entries, shape.cols,
+                             lists.chunk_entries};
   const int threads = kNeuronGroups * row_block_threads(d_model);
   if (b_ell)
-    neuron_grad_kernel<true><<<grid_of(shape.cols), threads, 0, stream>>>(
-        lists.col_start.data(), lists.sorted_entries, shape.ell_width, a_ell, b_ell, rows, d_model, out_a, out_b);
+    neuron_grad_kernel<true><<<grid_of(lists.max_chunks), threads, 0, stream>>>(
+        chunked, shape.ell_width, a_ell, b_ell, rows, d_model, out_a, out_b, lists.partial[0].data(),
+        lists.partial[1].data());
   else
-    neuron_grad_kernel<false><<<grid_of(shape.cols), threads, 0, stream>>>(
-        lists.col_start.data(), lists.sorted_entries, shape.ell_width, a_ell, nullptr, rows, d_model, out_a, nullptr);
+    neuron_grad_kernel<false><<<grid_of(lists.max_chunks), threads, 0, stream>>>(
+        chunked, shape.ell_width, a_ell, nullptr, rows, d_model, out_a, nullptr, lists.partial[0].data(), nullptr);
+  TWELL_CUDA_CHECK_LAUNCH();
+  if (lists.max_partials == 0) return;
+  const int sum_threads = std::min(256, ((d_model / 4 + kWarp - 1) / kWarp) * kWarp);
+  neuron_chunk_sum_kernel<<<grid_of(shape.cols), sum_threads, 0, stream>>>(lists.chunk_start.data(),
+                                                                            lists.partial[0].data(), d_model, out_a);
+  if (b_ell)
+    neuron_chunk_sum_kernel<<<grid_of(shape.cols), sum_threads, 0, stream>>>(lists.chunk_start.data(),
+                                                                              lists.partial[1].data(), d_model, out_b);
   TWELL_CUDA_CHECK_LAUNCH();
 }
 
