@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# One device call for the inference FFN (src/cuda/ffn_from_twell.cu, sparse_ffn.cu): check, test,
+# time, sanitize. Runs binaries built here and carried (the GPU machine builds nothing):
+#   mkdir -p .carry/kern && cp build-kern/lab/cuda/lab_twell_ffn build-kern/tests/twell_tests \
+#     build-kern/tools/twell .carry/kern/ && strip .carry/kern/* && gzip -9 .carry/kern/*
+#   run: scripts/device_ffn.sh .carry/kern   (carry [".carry/kern"])
+# One log ($OUT/device.log) and the JSON records go to $OUT (at most 8 files come back). STEPS picks a subset: check,tests,bench,sanitize,grid (default all).
+# Other lab_twell_ffn_* binaries beside lab_twell_ffn (variants built for a comparison) are checked
+# and timed (M = 16384, 0.5% and 2%) too.
+set -o pipefail
+bin=${1:-.carry/kern}
+out=${OUT:-/tmp/device_ffn}
+steps=${STEPS:-check,tests,bench,sanitize,grid}
+mkdir -p "$out"
+if compgen -G "$bin/*.gz" > /dev/null; then
+  mkdir -p /tmp/device_ffn_bin
+  for f in "$bin"/*.gz; do gzip -dc "$f" > "/tmp/device_ffn_bin/$(basename "$f" .gz)"; done
+  chmod +x /tmp/device_ffn_bin/*
+  bin=/tmp/device_ffn_bin
+fi
+log=$out/device.log
+status=0
+step() { [[ ",$steps," == *",$1,"* ]]; }
+
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv | tee -a "$log"
+
+if step check; then
+  for lab in "$bin"/lab_twell_ffn*; do
+    echo "== $(basename "$lab") check" | tee -a "$log"
+    "$lab" check 2>&1 | tee -a "$log" || status=1
+  done
+fi
+if step tests; then
+  # The harness's cuda backend over its sweep, the CUDA FFN tests, the fused kernel's own tests.
+  "$bin/twell_tests" --gtest_brief=1 --gtest_filter='*/cuda*:CudaFfn.*:CudaFfnFromTwell.*' > /tmp/tests.log 2>&1 ||
+    status=1
+  tail -n 40 /tmp/tests.log | tee -a "$log"
+fi
+if [[ $status != 0 ]]; then
+  echo "check or tests failed: no timings" | tee -a "$log"
+  exit $status
+fi
+if step bench; then
+  # Issue 3's headline shapes: dense, gate, up+down, TwELL and dispatching FFN in one run.
+  for lab in "$bin"/lab_twell_ffn*; do
+    name=$(basename "$lab")
+    echo "== $name bench" | tee -a "$log"
+    if [[ $name == lab_twell_ffn ]]; then
+      "$lab" bench 4096,16384 2048 5632 0.005,0.02,0.1 50 "$out/lab_twell_ffn.json" 2>&1 | tee -a "$log" || status=1
+    else
+      "$lab" bench 16384 2048 5632 0.005,0.02 50 2>&1 | tee -a "$log" || status=1
+    fi
+  done
+fi
+if step sanitize; then
+  sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  # racecheck without cuBLASLt (its own kernels report hazards of their own).
+  for tool in memcheck racecheck; do
+    filter='CudaFfnFromTwell.HotNeurons*:CudaFfnFromTwell.Widest*:CudaFfn.TilesLost*:CudaFfn.SparseError*'
+    [[ $tool == racecheck ]] && filter='CudaFfnFromTwell.Widest*:CudaFfn.TilesLost*'
+    "$sanitizer" --tool "$tool" --error-exitcode 3 "$bin/twell_tests" --gtest_brief=1 --gtest_filter="$filter" \
+      > "/tmp/$tool.log" 2>&1
+    rc=$?
+    [[ $rc == 0 ]] || status=1
+    tail -n 30 "/tmp/$tool.log" >> "$log"
+    echo "$tool: exit $rc; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "/tmp/$tool.log" | tail -n 1)" | tee -a "$log"
+  done
+fi
+if step grid; then
+  # twell bench ffn --device cuda over the issue's M and densities at (2048, 5632), then the other
+  # (D, H) of the issue (GRID_SHAPES, DxH words) at M = 4096 and 16384 (GRID_SHAPE_M).
+  "$bin/twell" bench ffn --device cuda --m 1,16,256,4096,16384,65536 --d 2048 --h 5632 --density 0.005,0.02,0.1 \
+    --reps 30 --json "$out/grid_2048_5632.json" 2>&1 | tee -a "$log" || status=1
+  for shape in ${GRID_SHAPES:-2048x8192 4096x11008 4096x14336}; do
+    IFS=x read -r d h <<< "$shape"
+    "$bin/twell" bench ffn --device cuda --m ${GRID_SHAPE_M:-4096,16384} --d "$d" --h "$h" --density 0.005,0.02,0.1 \
+      --reps 30 --json "$out/grid_${d}_$h.json" 2>&1 | tee -a "$log" || status=1
+  done
+fi
+exit $status

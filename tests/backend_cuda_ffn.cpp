@@ -1,0 +1,111 @@
+// The fused CUDA up+down kernel (src/cuda/ffn_from_twell.cu) on what the op harness's shapes do not
+// reach: rows with more non-zeros than one pass of its shared list holds, more tiles than one window
+// of the block's threads, tiles lost to a too-small spill in the same rows, D at the 8192 limit,
+// a skewed (hot-neuron) workload, and bit-identical results across calls. Skipped without a GPU.
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "twell/bench_record.h"
+#include "twell/cuda.h"
+#include "twell/error.h"
+#include "twell/reference.h"
+#include "twell/workload.h"
+
+namespace {
+
+using namespace twell;
+
+class CudaFfnFromTwell : public testing::Test {
+ protected:
+  void SetUp() override {
+    if (!cuda::available()) GTEST_SKIP() << "no CUDA device is available";
+  }
+};
+
+// Workload on the device (D here is always a multiple of 64) and its float64 y [M, D].
+struct OnDevice {
+  Workload work;
+  cuda::DeviceFfnWeights weights;
+  cuda::DeviceArray<bf16> x;
+  std::vector<double> y_ref;
+};
+
+OnDevice on_device(const WorkloadSpec& spec) {
+  OnDevice d{make_workload(spec), {}, {}, {}};
+  d.weights = cuda::upload_weights(d.work.weights);
+  d.x = cuda::upload_bf16(d.work.x.data(), d.work.x.size());
+  d.y_ref = ref::ffn_dense(d.work.x.data(), spec.rows, d.work.weights);
+  return d;
+}
+
+// y of ffn_from_twell, written over bf16 NaN.
+std::vector<float> sparse_y(const OnDevice& d, const cuda::DeviceTwell& packed) {
+  const size_t count = d.work.x.size();
+  const cuda::DeviceArray<bf16> y = cuda::make_device_array<bf16>(count);
+  EXPECT_EQ(cudaMemset(y.get(), 0xff, count * sizeof(bf16)), cudaSuccess);
+  cuda::ffn_from_twell(d.x.get(), packed, d.weights, y.get());
+  return cuda::download_bf16(y.get(), count);
+}
+
+double error_of(const OnDevice& d, const std::vector<float>& y) {
+  return relative_l2_error(y.data(), d.y_ref.data(), y.size());
+}
+
+TEST_F(CudaFfnFromTwell, LongRowsManyTileWindowsAndLostTiles) {
+  // D = 64: 128 threads per block, so H = 65536 (512 tiles of 128) takes 4 windows; 30% density is
+  // ~19700 non-zeros per row, ~39 passes of the list; C = 8 (16 slots) spills most tiles, and the
+  // first packing's spill is far too small, so most of them are lost and recomputed.
+  for (bool gated : {true, false}) {
+    SCOPED_TRACE(testing::Message() << "gated=" << gated);
+    const WorkloadSpec spec{.rows = 5, .d_model = 64, .d_hidden = 65536, .density = 0.3, .gated = gated, .seed = 21};
+    const OnDevice d = on_device(spec);
+    cuda::DeviceTwell packed;
+    cuda::gate_to_twell(d.x.get(), spec.rows, d.weights, 128, 8, packed);
+    ASSERT_GT(cuda::spill_rows_used(packed), packed.spill_capacity) << "this case must lose spill rows";
+    const std::vector<float> y_lost = sparse_y(d, packed);
+    EXPECT_LT(error_of(d, y_lost), 1e-2);
+    cuda::gate_to_twell_complete(d.x.get(), spec.rows, d.weights, 128, 8, packed);
+    const std::vector<float> y_complete = sparse_y(d, packed);
+    EXPECT_LT(error_of(d, y_complete), 1e-2);
+  }
+}
+
+TEST_F(CudaFfnFromTwell, WidestModelOneVectorPerThread) {
+  const WorkloadSpec spec{.rows = 3, .d_model = 8192, .d_hidden = 300, .density = 0.1, .seed = 22};
+  const OnDevice d = on_device(spec);
+  cuda::DeviceTwell packed;
+  cuda::gate_to_twell_complete(d.x.get(), spec.rows, d.weights, 128, 4, packed);
+  EXPECT_LT(error_of(d, sparse_y(d, packed)), 1e-2);
+}
+
+TEST_F(CudaFfnFromTwell, HotNeuronsWithinDenseErrorAndBitIdenticalAcrossCalls) {
+  // 40 neurons active for almost every token, the rest at 2%: the skew of real models.
+  const WorkloadSpec spec{.rows = 300, .d_model = 256, .d_hidden = 4097, .density = 0.02, .hot_neurons = 40,
+                          .seed = 23};
+  const OnDevice d = on_device(spec);
+  cuda::DeviceTwell packed;
+  cuda::gate_to_twell_complete(d.x.get(), spec.rows, d.weights, 256, 8, packed);
+  const std::vector<float> first = sparse_y(d, packed), second = sparse_y(d, packed);
+  EXPECT_EQ(first, second);
+  const size_t count = d.work.x.size();
+  const cuda::DeviceArray<bf16> y_dense = cuda::make_device_array<bf16>(count);
+  cuda::DenseFfn dense;
+  dense.run(d.x.get(), spec.rows, d.weights, y_dense.get());
+  const double dense_error = error_of(d, cuda::download_bf16(y_dense.get(), count));
+  EXPECT_LT(dense_error, 2e-2);
+  EXPECT_LE(error_of(d, first), 1.1 * dense_error + 1e-6) << "dense error " << dense_error;
+}
+
+TEST_F(CudaFfnFromTwell, RejectsModelsWiderThanTheKernel) {
+  const WorkloadSpec spec{.rows = 2, .d_model = 8256, .d_hidden = 130, .density = 0.1, .seed = 24};
+  const Workload work = make_workload(spec);
+  const cuda::DeviceFfnWeights weights = cuda::upload_weights(work.weights);
+  const cuda::DeviceArray<bf16> x = cuda::upload_bf16(work.x.data(), work.x.size());
+  cuda::DeviceTwell packed;
+  cuda::upload(ref::gate_to_twell(work.x.data(), spec.rows, work.weights, 128, 4), packed);
+  const cuda::DeviceArray<bf16> y = cuda::make_device_array<bf16>(work.x.size());
+  EXPECT_THROW(cuda::ffn_from_twell(x.get(), packed, weights, y.get()), Error);
+}
+
+}  // namespace
