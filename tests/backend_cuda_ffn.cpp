@@ -1,7 +1,8 @@
 // The fused CUDA up+down kernel (src/cuda/ffn_from_twell.cu) on what the op harness's shapes do not
 // reach: rows with more non-zeros than one pass of its shared list holds, more tiles than one window
 // of the block's threads, tiles lost to a too-small spill in the same rows, D at the 8192 limit,
-// a skewed (hot-neuron) workload, and bit-identical results across calls. Skipped without a GPU.
+// a skewed (hot-neuron) workload, and bit-identical results across calls; and the dispatch of
+// SparseFfn (sparse_ffn.cu) when the workload changes between calls. Skipped without a GPU.
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -95,6 +96,25 @@ TEST_F(CudaFfnFromTwell, HotNeuronsWithinDenseErrorAndBitIdenticalAcrossCalls) {
   const double dense_error = error_of(d, cuda::download_bf16(y_dense.get(), count));
   EXPECT_LT(dense_error, 2e-2);
   EXPECT_LE(error_of(d, first), 1.1 * dense_error + 1e-6) << "dense error " << dense_error;
+}
+
+// SparseFfn keys each call by the previous call's density. A TwELL time measured on one density must
+// not stand for another: after a change of M and of density, a 50% workload (TwELL many times slower
+// than dense) must end on dense.
+TEST_F(CudaFfnFromTwell, DispatchEndsOnDenseWhereTwellIsSlowAfterTheWorkloadChanges) {
+  cuda::SparseFfn ffn;
+  const auto calls = [&](int64_t rows, double density, int count) {
+    const WorkloadSpec spec{.rows = rows, .d_model = 512, .d_hidden = 4096, .density = density, .seed = 25};
+    const Workload work = make_workload(spec);
+    const cuda::DeviceFfnWeights weights = cuda::upload_weights(work.weights);
+    const cuda::DeviceArray<bf16> x = cuda::upload_bf16(work.x.data(), work.x.size());
+    const cuda::DeviceArray<bf16> y = cuda::make_device_array<bf16>(work.x.size());
+    for (int call = 0; call < count; ++call) ffn.run(x.get(), rows, weights, y.get());
+  };
+  calls(64, 0.5, 6);
+  calls(4096, 0.002, 6);
+  calls(4096, 0.5, 8);
+  EXPECT_TRUE(ffn.last_call_was_dense());
 }
 
 TEST_F(CudaFfnFromTwell, RejectsModelsWiderThanTheKernel) {
