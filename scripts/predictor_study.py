@@ -44,12 +44,15 @@ def one_bit_with_outliers(k):
     return approximate
 
 
-def two_level(w):
-    """Two bits per weight: the sign, and whether |w| is above the row's median (two scales a row)."""
-    large = w.abs() > w.abs().median(1, keepdim=True).values
-    large_scale = (w.abs() * large).sum(1, keepdim=True) / large.sum(1, keepdim=True)
-    small_scale = (w.abs() * ~large).sum(1, keepdim=True) / (~large).sum(1, keepdim=True)
-    return torch.where(large, large_scale, small_scale) * w.sign()
+def two_level(quantile):
+    """Two bits per weight: the sign, and whether |w| is above the row's quantile (two scales a row).
+    twell's two-bit-norm splits at 0.6 (the element at index 3K/5 of the sorted |w|)."""
+    def approximate(w):
+        large = w.abs() > w.abs().quantile(quantile, dim=1, keepdim=True)
+        large_scale = (w.abs() * large).sum(1, keepdim=True) / large.sum(1, keepdim=True)
+        small_scale = (w.abs() * ~large).sum(1, keepdim=True) / (~large).sum(1, keepdim=True)
+        return torch.where(large, large_scale, small_scale) * w.sign()
+    return approximate
 
 
 def uniform(bits):
@@ -93,9 +96,10 @@ def main():
     inputs = ffn_inputs(model, ids, args.window)
     gates = [layer.mlp.gate_proj.weight.detach().double() for layer in model.model.layers]
     candidates = [("one-bit", one_bit), ("one-bit + 16 outliers", one_bit_with_outliers(16)),
-                  ("one-bit + 32 outliers", one_bit_with_outliers(32)), ("two-level, 2 bits", two_level),
+                  ("one-bit + 32 outliers", one_bit_with_outliers(32)), ("two-level at the median", two_level(0.5)),
+                  ("two-level at 0.6", two_level(0.6)), ("two-level at 0.7", two_level(0.7)),
                   ("uniform 2 bits", uniform(2)), ("uniform 3 bits", uniform(3)), ("uniform 4 bits", uniform(4))]
-    print("one-bit is twell's one-bit gate, one-bit z its one-bit-norm")
+    print("one-bit is twell's one-bit gate, one-bit z its one-bit-norm, two-level at 0.6 z its two-bit-norm")
     print(f"{'candidate':34s} {'recall':>7s} {'pred/active':>11s} {'pred %':>7s}  pred/active per layer")
     for name, approximate in candidates:
         for normalized in (False, True):

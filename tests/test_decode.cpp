@@ -369,19 +369,19 @@ TEST(DecodeSignBits, PackingIsBitExact) {
       }
       EXPECT_NEAR(packed.residual[r], std::sqrt(residual_squares / cols), 1e-6 * (abs_sum / cols) + 1e-7);
 
-      // The two-bit planes, from the definition: large iff |a| > the element at index K/2 of the sorted |a|.
+      // The two-bit planes, from the definition: large iff |a| > the element at index ⌊3K/5⌋ of the sorted |a|.
       std::vector<double> magnitudes;
       for (int k = 0; k < cols; ++k) magnitudes.push_back(std::abs(matrix[r * cols + k]));
       std::vector<double> sorted = magnitudes;
       std::sort(sorted.begin(), sorted.end());
-      const double median = sorted[cols / 2];
+      const double split = sorted[cols * 3 / 5];
       double large_sum = 0, small_sum = 0;
       int large_count = 0;
       for (int k = 0; k < sign_words_per_row(cols) * 32; ++k) {
         const size_t word = r * sign_words_per_row(cols) + k / 32;
         const bool large = (packed.large[word] >> (k % 32)) & 1u;
         const bool large_negative = (packed.large_negative[word] >> (k % 32)) & 1u;
-        const bool expected_large = k < cols && magnitudes[k] > median;
+        const bool expected_large = k < cols && magnitudes[k] > split;
         ASSERT_EQ(large, expected_large) << "row " << r << " column " << k;
         ASSERT_EQ(large_negative, expected_large && matrix[r * cols + k] < 0.0f) << "row " << r << " column " << k;
         if (k >= cols) continue;
@@ -395,7 +395,7 @@ TEST(DecodeSignBits, PackingIsBitExact) {
       double two_bit_squares = 0;
       for (int k = 0; k < cols; ++k) {
         const double a = matrix[r * cols + k];
-        const double approximation = (a < 0 ? -1.0 : 1.0) * (magnitudes[k] > median ? large_scale : small_scale);
+        const double approximation = (a < 0 ? -1.0 : 1.0) * (magnitudes[k] > split ? large_scale : small_scale);
         two_bit_squares += (a - approximation) * (a - approximation);
       }
       EXPECT_NEAR(packed.two_bit_residual[r], std::sqrt(two_bit_squares / cols), 1e-6 * (abs_sum / cols) + 1e-7);

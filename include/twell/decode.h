@@ -7,11 +7,13 @@
 //   sign rule     N_neg(m, j) = popcount(sign(x[m]) XOR sign(W[j])) over D;
 //                 neuron j predicted zero iff N_neg > alpha·(D − N_neg).        (the seed's method)
 //   one-bit gate  s(m, j) = scale_j · Σ_k x[m,k]·sign(W[j,k]),  sign = −1 where the bit is set, else +1,
-//                 scale_j = mean |W[j, :]|; predicted active iff s(m, j) >= −margin.  (twell's default)
+//                 scale_j = mean |W[j, :]|; predicted active iff s(m, j) >= −margin. (PredictorConfig's
+//                 default: every backend has it; `twell calibrate -m` stores two-bit-norm, the best)
 //                 margin > 0 keeps neurons whose estimate is a little below zero. On a real ReLU model
-//                 the calibrated margin should come out positive (the estimate tracks a pre-activation
-//                 whose threshold is 0; not yet measured in twell); on the synthetic workload, whose
-//                 gate threshold sits in one weight column that the estimate cannot see, it is negative.
+//                 the calibrated margin comes out positive (0.66-1.46 on the L1-trained model of
+//                 docs/perf-notes.md: the estimate tracks a pre-activation whose threshold is 0); on
+//                 the synthetic workload, whose gate threshold sits in one weight column that the
+//                 estimate cannot see, it is negative.
 //   normalized one-bit gate  z(m, j) = s(m, j) / (residual_j · ||x[m]||₂), residual_j = rms of
 //                 W[j] − scale_j·sign(W[j]) (docs/formats.md); predicted active iff z >= −margin.
 //                 The estimate's error x·(W[j] − scale_j·sign W[j]) grows with ||x|| and with how far
@@ -20,7 +22,7 @@
 //                 division more. On a real L1-trained model it keeps ~4x fewer neurons than the
 //                 one-bit gate at 99% recall (docs/perf-notes.md "Decode FFN"). CPU only so far.
 //   two-bit gate  the same normalized score with two bits per weight: W[j, k] ≈ sign·(large ?
-//                 large_scale_j : small_scale_j), large = |W[j, k]| above the row's median |W| (the
+//                 large_scale_j : small_scale_j), large = |W[j, k]| above the row's 60% quantile of |W| (the
 //                 sign-bits format's second plane), divided by ||x||·two_bit_residual_j; predicted
 //                 active iff >= −margin. Twice the predictor's bits (three masked sums of x per
 //                 neuron on the CPU: the sign plane, the large plane and large AND negative), ~4x

@@ -63,8 +63,8 @@ struct SignBits {
   std::vector<uint32_t> bits;  // [R, ceil(K/32)]
   std::vector<float> scale;    // [R] mean |A[r, :]|
   std::vector<float> residual; // [R] rms of A[r, :] − scale[r]·sign(A[r, :])
-  // The two-bit approximation: sign and whether |A| is above the row's median |A|.
-  std::vector<uint32_t> large;           // [R, ceil(K/32)] bit set iff |A[r, k]| > median_k |A[r, :]|
+  // The two-bit approximation: sign and whether |A| is among the row's largest (formats/sign_bits.h).
+  std::vector<uint32_t> large;           // [R, ceil(K/32)] bit set iff |A[r, k]| > the row's 60% quantile |A|
   std::vector<uint32_t> large_negative;  // [R, ceil(K/32)] large AND bits
   std::vector<float> small_scale;        // [R] mean |A[r, k]| over the elements not large
   std::vector<float> large_scale;        // [R] mean |A[r, k]| over the large elements (0 when none)

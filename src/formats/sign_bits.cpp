@@ -42,21 +42,22 @@ SignBits pack_sign_bits(const float* matrix, int32_t rows, int32_t cols) {
     packed.residual[r] = static_cast<float>(std::sqrt(std::max(0.0, square_sum / cols - scale * scale)));
 
     for (int32_t k = 0; k < cols; ++k) magnitudes[k] = std::abs(row[k]);
-    std::nth_element(magnitudes.begin(), magnitudes.begin() + cols / 2, magnitudes.end());
-    const float median = magnitudes[cols / 2];
+    const int32_t split_index = two_bit_split_index(cols);
+    std::nth_element(magnitudes.begin(), magnitudes.begin() + split_index, magnitudes.end());
+    const float split = magnitudes[split_index];
     uint32_t* large = packed.large.data() + static_cast<size_t>(r) * words;
     uint32_t* large_negative = packed.large_negative.data() + static_cast<size_t>(r) * words;
     double large_sum = 0.0;
     int32_t large_count = 0;
     for (int32_t k = 0; k < cols; ++k) {
-      if (!(std::abs(row[k]) > median)) continue;
+      if (!(std::abs(row[k]) > split)) continue;
       const uint32_t bit = 1u << (k % kSignBitsPerWord);
       large[k / kSignBitsPerWord] |= bit;
       large_negative[k / kSignBitsPerWord] |= row_bits[k / kSignBitsPerWord] & bit;
       large_sum += std::abs(static_cast<double>(row[k]));
       ++large_count;
     }
-    // At least half the elements are <= the median, so the small set is never empty.
+    // The elements up to split_index are <= split, so the small set is never empty.
     const double small_scale = (abs_sum - large_sum) / (cols - large_count);
     const double large_scale = large_count == 0 ? 0.0 : large_sum / large_count;
     double two_bit_squares = 0.0;

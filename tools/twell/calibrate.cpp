@@ -28,7 +28,7 @@ struct CalibrateOptions {
   double density = 0.005;
   int64_t rows = 512;
   double recall = 0.99;
-  std::string predictor;  // synthetic: both by default; a model: one-bit-norm (the best measured on a real model)
+  std::string predictor;  // synthetic: both by default; a model: two-bit-norm (the best measured on a real model)
   uint64_t seed = 1;
   int threads = 0;
   std::string json_path;
@@ -41,7 +41,7 @@ struct CalibrateOptions {
 void calibrate_model(const CalibrateOptions& options) {
   TWELL_REQUIRE(!options.text_file.empty(), "-m needs -f TEXT: the text whose FFN inputs calibrate the predictor");
   TWELL_REQUIRE(options.predictor != "both", "--predictor both: a model stores one predictor kind");
-  const PredictorKind kind = parse_predictor_kind(options.predictor.empty() ? "one-bit-norm" : options.predictor);
+  const PredictorKind kind = parse_predictor_kind(options.predictor.empty() ? "two-bit-norm" : options.predictor);
   cpu::set_num_threads(options.threads);
   Model model = Model::load(options.model_dir);
   const ModelConfig& config = model.config();
@@ -127,9 +127,9 @@ void add_calibrate(CLI::App& app) {
   command->add_option("--max-tokens", options->max_tokens, "with -m: tokens of the text to use")->capture_default_str();
   command->add_option("--window", options->window, "with -m: tokens per forward pass (fresh context each)")
       ->capture_default_str();
-  command->add_option("--predictor", options->predictor, "sign, one-bit, one-bit-norm or both (synthetic: "
-                      "one-bit and sign); default: both synthetic, one-bit-norm for a model (CPU only so far: one-bit "
-                      "for a model that decodes on CUDA)");
+  command->add_option("--predictor", options->predictor, "sign, one-bit, one-bit-norm, two-bit-norm or both "
+                      "(synthetic: one-bit and sign); default: both synthetic, two-bit-norm for a model (CPU only so "
+                      "far: one-bit for a model that decodes on CUDA)");
   command->add_option("--seed", options->seed, "workload seed")->capture_default_str();
   command->add_option("--threads", options->threads, "CPU threads, 0 = all cores")->capture_default_str();
   command->add_option("--json", options->json_path, "write the chosen settings to this file");
