@@ -130,11 +130,12 @@ class DenseFfn {
 
 // The FFN with dispatch. Rule: for each (M bucket = ceil(log2 M), density bucket = floor(log2(1 +
 // non-zeros per row)) of the previous packing), the first call of a bucket runs TwELL and the second
-// runs dense, each run twice and the second timed with CUDA events (one synchronization each; the
-// first run takes one-time costs such as plans and allocations out); later calls in the bucket take
-// the faster, so a call is never slower than dense by more than the timing noise of those two calls.
-// The density bucket comes from the last TwELL call (the packer counts its non-zeros); the spill
-// grows (for the next call) when the last packing overflowed it.
+// runs dense, each once untimed (one-time costs such as plans and allocations) and then 3 times timed
+// with CUDA events, the fastest kept (one synchronization each); a TwELL time counts for the bucket of
+// the density that call measured. Later calls in the bucket take the faster, so a call is never slower
+// than dense by more than the timing noise of those runs. The density bucket comes from the last TwELL
+// call (the packer counts its non-zeros): while dense is chosen the density is not observed again, and
+// dense stays. The spill grows (for the next call) when the last packing overflowed it.
 struct SparseFfnOptions {
   int32_t tile = 128;
   int32_t compression = 4;

@@ -1,4 +1,5 @@
 // SparseFfn: the FFN a model calls, TwELL or dense per call (rule in include/twell/cuda.h).
+#include <algorithm>
 #include <cmath>
 
 #include "cuda/cuda_utils.h"
@@ -62,15 +63,21 @@ void SparseFfn::run_path(bool dense, const bf16* x, int64_t rows, const DeviceFf
 
 float SparseFfn::timed_run(bool dense, const bf16* x, int64_t rows, const DeviceFfnWeights& weights, bf16* y,
                            cudaStream_t stream) {
-  // The untimed first run takes the one-time costs (plans, allocations, kernel attributes) out.
+  // The untimed first run takes the one-time costs (plans, allocations, kernel attributes) out; the
+  // fastest of kTimedRuns takes out a run slowed by something else (one sample flipped M = 1 at 2%).
+  constexpr int kTimedRuns = 3;
   run_path(dense, x, rows, weights, y, stream);
-  TWELL_CUDA_CHECK(cudaEventRecord(start_, stream));
-  run_path(dense, x, rows, weights, y, stream);
-  TWELL_CUDA_CHECK(cudaEventRecord(stop_, stream));
-  TWELL_CUDA_CHECK(cudaEventSynchronize(stop_));
-  float ms = 0;
-  TWELL_CUDA_CHECK(cudaEventElapsedTime(&ms, start_, stop_));
-  return ms;
+  float fastest = 0;
+  for (int run = 0; run < kTimedRuns; ++run) {
+    TWELL_CUDA_CHECK(cudaEventRecord(start_, stream));
+    run_path(dense, x, rows, weights, y, stream);
+    TWELL_CUDA_CHECK(cudaEventRecord(stop_, stream));
+    TWELL_CUDA_CHECK(cudaEventSynchronize(stop_));
+    float ms = 0;
+    TWELL_CUDA_CHECK(cudaEventElapsedTime(&ms, start_, stop_));
+    fastest = run == 0 ? ms : std::min(fastest, ms);
+  }
+  return fastest;
 }
 
 void SparseFfn::run(const bf16* x, int64_t rows, const DeviceFfnWeights& weights, bf16* y, cudaStream_t stream) {
