@@ -113,9 +113,12 @@ Facts reference_facts(const Workload& work) {
 int64_t union_predicted(const float* x, int64_t rows, const SignBits& signs, const PredictorConfig& config) {
   const int32_t hidden = signs.rows;
   std::vector<bool> any(hidden, false);
-  if (config.kind == PredictorKind::one_bit_gate) {
+  if (config.kind != PredictorKind::sign_rule) {
     std::vector<float> scores(static_cast<size_t>(rows) * hidden);
-    cpu::one_bit_gate(x, rows, signs, scores.data());
+    if (config.kind == PredictorKind::one_bit_gate) cpu::one_bit_gate(x, rows, signs, scores.data());
+    if (config.kind == PredictorKind::normalized_one_bit_gate)
+      cpu::normalized_one_bit_gate(x, rows, signs, scores.data());
+    if (config.kind == PredictorKind::two_bit_gate) cpu::two_bit_gate(x, rows, signs, scores.data());
     for (size_t i = 0; i < scores.size(); ++i)
       if (scores[i] >= static_cast<float>(-config.margin)) any[i % hidden] = true;
   } else {
@@ -325,7 +328,10 @@ void run_decode_bench(const DecodeBenchOptions& options) {
   std::vector<PredictorConfig> predictors;
   fmt::print("twell bench decode: {} D={} H={} density={} ({} calibration tokens, target recall {})\n", options.device,
              options.d_model, options.d_hidden, options.density, options.calibration_rows, options.recall);
-  for (PredictorKind kind : {PredictorKind::one_bit_gate, PredictorKind::sign_rule}) {
+  // The normalized gates have no CUDA kernel yet.
+  std::vector<PredictorKind> kinds = {PredictorKind::one_bit_gate, PredictorKind::sign_rule};
+  if (!on_cuda) kinds.insert(kinds.end(), {PredictorKind::normalized_one_bit_gate, PredictorKind::two_bit_gate});
+  for (PredictorKind kind : kinds) {
     Calibration c = calibrate_predictor(samples.data(), options.calibration_rows, weights, signs, kind, options.recall);
     fmt::print("  calibrated {:<8} alpha={:.6g} margin={:.6g}: recall {:.4f}, predicted {:.2f}% of neurons = {:.1f}x the active set\n",
                to_string(kind), c.config.alpha, c.config.margin, c.quality.recall(), 100 * c.quality.predicted_fraction(),
@@ -351,7 +357,7 @@ void run_decode_bench(const DecodeBenchOptions& options) {
              on_cuda ? "bf16 weights" : fmt::format("fp32 weights, {} threads, {}", cpu::num_threads(),
                                                     cpu::to_string(cpu::active_isa())),
              copy_bandwidth * 1e-9);
-  fmt::print("{:>3} {:>16} {:>10} {:>10} {:>9} {:>9} {:>8} {:>8} {:>10} {:>9}\n", "M", "impl", "median us",
+  fmt::print("{:>3} {:>20} {:>10} {:>10} {:>9} {:>9} {:>8} {:>8} {:>10} {:>9}\n", "M", "impl", "median us",
              on_cuda ? "graph us" : "p90 us", "speedup", "rel_err", "recall", "precis.", "pred/tok", "floor bw");
 
   const std::string commit = build_commit(), date = today_utc();
@@ -462,12 +468,12 @@ void run_decode_bench(const DecodeBenchOptions& options) {
         record.extra["estimated_bytes_read"] = read_bytes;
         record.extra["achieved_gb_per_s"] = read_bytes / (timing.median_ms * 1e-3) * 1e-9;
       }
-      fmt::print("{:>3} {:>16} {:>10.1f} {:>10.1f} {:>8.2f}x {:>9.2e} {:>8.4f} {:>8.4f} {:>10.1f} {:>8.1f}%\n", rows,
+      fmt::print("{:>3} {:>20} {:>10.1f} {:>10.1f} {:>8.2f}x {:>9.2e} {:>8.4f} {:>8.4f} {:>10.1f} {:>8.1f}%\n", rows,
                  impl.name, timing.median_ms * 1e3, on_cuda ? graph_ms * 1e3 : timing.p90_ms * 1e3, speedup,
                  record.rel_err, recall, precision, predicted_per_token,
                  100 * floor_bytes / copy_bandwidth / (timing.median_ms * 1e-3));
       if (graph_ms > 0 && impl.name != "dense")
-        fmt::print("{:>3} {:>16} graph: {:.2f}x dense graph\n", "", "", dense_graph_ms / graph_ms);
+        fmt::print("{:>3} {:>20} graph: {:.2f}x dense graph\n", "", "", dense_graph_ms / graph_ms);
       std::fflush(stdout);
       records.push_back(std::move(record));
     }
@@ -482,7 +488,7 @@ void run_decode_bench(const DecodeBenchOptions& options) {
 
 void add_bench_decode(CLI::App& bench) {
   auto options = std::make_shared<DecodeBenchOptions>();
-  CLI::App* command = bench.add_subcommand("decode", "decode FFN (M <= 16): dense, TwELL and the sign-bit predictors");
+  CLI::App* command = bench.add_subcommand("decode", "decode FFN (M <= 16): dense, TwELL and the sign-bit predictors (the normalized gates on the CPU only)");
   command->add_option("--device", options->device, "cpu or cuda")->capture_default_str();
   command->add_option("--m", options->rows, "tokens per step, comma-separated (1..16)")->delimiter(',')->capture_default_str();
   command->add_option("--d", options->d_model, "model width D")->capture_default_str();
