@@ -139,6 +139,18 @@ std::vector<bf16> unpacked(const TwellMatrix& packed) {
   return dense_from_twell(packed);
 }
 
+// Unpacked elements of two packings of one gate that differ by more than the bf16 of an fp32 sum may
+// differ from the bf16 of the float64 sum: one rounding step near a tie.
+int64_t values_off(const TwellMatrix& got, const TwellMatrix& want) {
+  const std::vector<bf16> got_dense = unpacked(got), want_dense = unpacked(want);
+  int64_t differing = 0;
+  for (size_t i = 0; i < got_dense.size(); ++i) {
+    const float a = to_float(got_dense[i]), b = to_float(want_dense[i]);
+    if (std::fabs(a - b) > 1e-2f * std::fabs(b) + 1e-6f) ++differing;
+  }
+  return differing;
+}
+
 TEST_F(CudaFfn, SpillGrowsUntilThePackingIsCompleteAndMatchesTheReference) {
   // Density 1: every tile overflows every compression, far more spill rows than the default M·n_tiles/16.
   for (int32_t tile : {128, 256}) {
@@ -152,14 +164,37 @@ TEST_F(CudaFfn, SpillGrowsUntilThePackingIsCompleteAndMatchesTheReference) {
     const TwellMatrix got = cuda::download(packed);
     ASSERT_TRUE(got.complete());
     const TwellMatrix want = ref::gate_to_twell(p.work.x.data(), spec.rows, p.work.weights, tile, 8);
-    const std::vector<bf16> got_dense = unpacked(got), want_dense = unpacked(want);
-    // bf16 of an fp32 sum vs bf16 of the float64 sum: equal up to one rounding step near a tie.
-    int64_t differing = 0;
-    for (size_t i = 0; i < got_dense.size(); ++i) {
-      const float a = to_float(got_dense[i]), b = to_float(want_dense[i]);
-      if (std::fabs(a - b) > 1e-2f * std::fabs(b) + 1e-6f) ++differing;
-    }
-    EXPECT_EQ(differing, 0);
+    EXPECT_EQ(values_off(got, want), 0);
+  }
+}
+
+// The harness's shapes give the gate kernel at most two output tiles per SM; these give it 4 to 9,
+// across several raster groups, with few k-tiles each (so a kernel that reuses its operand ring or
+// its blocks over tiles wraps them at odd points), on every tile shape, and check the packer's
+// non-zero counter (SparseFfn's density estimate) too.
+TEST_F(CudaFfn, GateKernelPacksHundredsOfTilesExactly) {
+  struct Shape {
+    int64_t rows;
+    int32_t d_model, d_hidden, tile;
+  };
+  for (const Shape shape : {Shape{6001, 192, 3000, 128}, Shape{2500, 128, 5632, 128}, Shape{6001, 320, 3000, 256}}) {
+    SCOPED_TRACE(testing::Message() << "M=" << shape.rows << " D=" << shape.d_model << " T=" << shape.tile);
+    const WorkloadSpec spec{.rows = shape.rows, .d_model = shape.d_model, .d_hidden = shape.d_hidden,
+                            .density = 0.05, .seed = 15};
+    const Workload work = make_workload(spec);
+    const cuda::DeviceFfnWeights weights = cuda::upload_weights(work.weights);
+    const cuda::DeviceArray<bf16> x = cuda::upload_bf16(work.x.data(), work.x.size());
+    cuda::DeviceTwell packed;
+    cuda::gate_to_twell_complete(x.get(), spec.rows, weights, shape.tile, 4, packed);
+    const TwellMatrix got = cuda::download(packed);
+    ASSERT_TRUE(got.complete());
+    const TwellMatrix want = ref::gate_to_twell(work.x.data(), spec.rows, work.weights, shape.tile, 4);
+    EXPECT_EQ(values_off(got, want), 0);
+    unsigned long long counted = 0;
+    cuda::copy_to_host(&counted, packed.nnz_total.get(), sizeof counted);
+    int64_t nonzeros = 0;
+    for (const bf16 value : unpacked(got)) nonzeros += to_float(value) != 0.f;
+    EXPECT_EQ(static_cast<int64_t>(counted), nonzeros);
   }
 }
 

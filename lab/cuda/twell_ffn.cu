@@ -24,57 +24,14 @@
 #include "twell/cuda.h"
 #include "twell/reference.h"
 #include "twell/workload.h"
+#include "lab_common.h"
 
 using namespace twell;
-
-#define TWELL_CUDA_CHECK(expression)                                                          \
-  do {                                                                                        \
-    cudaError_t lab_status_ = (expression);                                                   \
-    if (lab_status_ != cudaSuccess) ::twell::fail("CUDA error '{}' in {}", cudaGetErrorString(lab_status_), #expression); \
-  } while (0)
 
 namespace {
 
 constexpr int kInputSets = 3;
 constexpr int kReferenceRows = 16;
-
-std::vector<int64_t> parse_list_int(const char* text) {
-  std::vector<int64_t> values;
-  for (const char* p = text; *p;) {
-    values.push_back(std::strtoll(p, const_cast<char**>(&p), 10));
-    if (*p == ',') ++p;
-  }
-  return values;
-}
-std::vector<double> parse_list_double(const char* text) {
-  std::vector<double> values;
-  for (const char* p = text; *p;) {
-    values.push_back(std::strtod(p, const_cast<char**>(&p)));
-    if (*p == ',') ++p;
-  }
-  return values;
-}
-
-template <typename Fn>
-TimingStats time_calls(int reps, Fn&& call) {
-  cudaEvent_t start, stop;
-  TWELL_CUDA_CHECK(cudaEventCreate(&start));
-  TWELL_CUDA_CHECK(cudaEventCreate(&stop));
-  for (int i = 0; i < 5; ++i) call(i % kInputSets);
-  std::vector<double> samples;
-  for (int i = 0; i < reps; ++i) {
-    TWELL_CUDA_CHECK(cudaEventRecord(start));
-    call(i % kInputSets);
-    TWELL_CUDA_CHECK(cudaEventRecord(stop));
-    TWELL_CUDA_CHECK(cudaEventSynchronize(stop));
-    float ms = 0;
-    TWELL_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-    samples.push_back(ms);
-  }
-  TWELL_CUDA_CHECK(cudaEventDestroy(start));
-  TWELL_CUDA_CHECK(cudaEventDestroy(stop));
-  return summarize_ms(samples);
-}
 
 // Rows spread over M whose y the float64 reference checks.
 std::vector<int64_t> reference_rows(int64_t rows) {
@@ -148,16 +105,7 @@ bool check() {
     const TwellMatrix got = cuda::download(packed);
     validate(got);
     const TwellMatrix want = ref::gate_to_twell(work.x.data(), c.spec.rows, work.weights, c.tile, c.compression);
-    const std::vector<bf16> got_dense = dense_from_twell(got), want_dense = dense_from_twell(want);
-    // bf16 of an fp32 sum against bf16 of the float64 sum: one rounding step apart at most, and a
-    // gate within fp32 rounding of 0 may fall on either side of the relu.
-    float largest = 0.f;
-    for (const bf16 value : want_dense) largest = std::max(largest, std::fabs(to_float(value)));
-    int64_t differing = 0;
-    for (size_t i = 0; i < got_dense.size(); ++i)
-      if (std::fabs(to_float(got_dense[i]) - to_float(want_dense[i])) >
-          1e-2f * std::fabs(to_float(want_dense[i])) + 1e-4f * largest)
-        ++differing;
+    const int64_t differing = lab::differing_values(got, want);
     TWELL_CUDA_CHECK(cudaMemset(device.y.get(), 0xff, work.x.size() * sizeof(bf16)));
     cuda::ffn_from_twell(device.x[0].get(), packed, device.weights, device.y.get());
     const std::vector<float> y = cuda::download_bf16(device.y.get(), work.x.size());
@@ -198,19 +146,19 @@ void bench(const std::vector<int64_t>& row_counts, int32_t d, int32_t h, const s
       bf16* y = device.y.get();
 
       cuda::DenseFfn dense;
-      const TimingStats dense_t = time_calls(reps, [&](int i) { dense.run(device.x[i].get(), rows, device.weights, y); });
+      const TimingStats dense_t = lab::time_calls(reps, kInputSets, [&](int i) { dense.run(device.x[i].get(), rows, device.weights, y); });
       dense.run(device.x[0].get(), rows, device.weights, y);
       const double dense_err = error_on_rows(ref, y, d);
 
       cuda::DeviceTwell packed;
       cuda::gate_to_twell_complete(device.x[0].get(), rows, device.weights, 128, 4, packed);
-      const TimingStats gate_t = time_calls(reps, [&](int i) {
+      const TimingStats gate_t = lab::time_calls(reps, kInputSets, [&](int i) {
         cuda::gate_to_twell(device.x[i].get(), rows, device.weights, 128, 4, packed);
       });
       cuda::gate_to_twell(device.x[0].get(), rows, device.weights, 128, 4, packed);
       const TimingStats ffn_t =
-          time_calls(reps, [&](int) { cuda::ffn_from_twell(device.x[0].get(), packed, device.weights, y); });
-      const TimingStats twell_t = time_calls(reps, [&](int i) {
+          lab::time_calls(reps, kInputSets, [&](int) { cuda::ffn_from_twell(device.x[0].get(), packed, device.weights, y); });
+      const TimingStats twell_t = lab::time_calls(reps, kInputSets, [&](int i) {
         cuda::gate_to_twell(device.x[i].get(), rows, device.weights, 128, 4, packed);
         cuda::ffn_from_twell(device.x[i].get(), packed, device.weights, y);
       });
@@ -224,7 +172,7 @@ void bench(const std::vector<int64_t>& row_counts, int32_t d, int32_t h, const s
       const int64_t twell_bytes = packed.slot_capacity * 4 + packed.tile_capacity * 4 + packed.spill_capacity * 128 * 2;
 
       cuda::SparseFfn auto_ffn;
-      const TimingStats auto_t = time_calls(reps, [&](int i) { auto_ffn.run(device.x[i].get(), rows, device.weights, y); });
+      const TimingStats auto_t = lab::time_calls(reps, kInputSets, [&](int i) { auto_ffn.run(device.x[i].get(), rows, device.weights, y); });
       auto_ffn.run(device.x[0].get(), rows, device.weights, y);
       const double auto_err = error_on_rows(ref, y, d);
 
@@ -284,7 +232,7 @@ int main(int argc, char** argv) {
     const std::string mode = argc > 1 ? argv[1] : "check";
     if (mode == "check") return check() ? 0 : 1;
     if (mode == "bench" && argc >= 6) {
-      bench(parse_list_int(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]), parse_list_double(argv[5]),
+      bench(lab::parse_list_int(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]), lab::parse_list_double(argv[5]),
             argc > 6 ? std::atoi(argv[6]) : 50, argc > 7 ? argv[7] : "");
       return 0;
     }
