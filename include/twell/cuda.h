@@ -9,7 +9,8 @@
 //
 // All pointers named x, y are device pointers to bf16 [M, D], row-major. Every op is asynchronous on
 // the given stream unless its comment says otherwise. Weights use the canonical neuron-major layout
-// [H, D] of host_tensors.h. D must be a multiple of 64 (16-byte TMA rows, whole k-tiles); H <= 65536.
+// [H, D] of host_tensors.h. D must be a multiple of 64 (16-byte TMA rows, whole k-tiles) and at most
+// 8192 (ffn_from_twell: one 16-byte vector of y per thread of a block); H <= 65536.
 #pragma once
 
 #include <cstddef>
