@@ -14,6 +14,9 @@ namespace twell::cuda::model_kernels {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int kDecodeThreads = 256;
+// decode_attention's shared memory besides the scores: [256 / (Dh/8), Dh] partial sums = 2048 floats.
+constexpr int kDecodePartialFloats = 2048;
 
 // Sum (or max) over the block; every thread gets the result. `scratch` holds 32 floats.
 template <bool kMax>
@@ -73,6 +76,7 @@ __global__ void qkv_rope_kernel(const bf16* qkv, const float* bias, AttentionSha
                          : k_cache + ((int64_t{b} * s.n_kv_heads + (head - s.n_heads)) * s.cache_stride + position) * dh;
     const float inv_freq = 1.0f / powf(rope_theta, static_cast<float>(2 * i) / static_cast<float>(dh));
     const float angle = static_cast<float>(position) * inv_freq;
+    // Accurate cosf/sinf as HF's fp32 RoPE (their large-angle reduction is this kernel's 32-byte stack frame).
     const float c = cosf(angle), sn = sinf(angle);
     const float x0 = value(column + i), x1 = value(column + i + half);
     out[i] = to_bf16(x0 * c - x1 * sn);
@@ -113,43 +117,69 @@ __global__ void heads_to_tokens_kernel(const bf16* in, AttentionShape s, int64_t
   }
 }
 
-// One block per (sequence, query head): scores in shared memory, then the weighted sum of values.
-__global__ void decode_attention_kernel(const bf16* q, const bf16* k_cache, const bf16* v_cache, AttentionShape s,
-                                        const int32_t* length, float scale, bf16* out) {
+// One block per (sequence, query head), scores in shared memory. A key or value row is read as
+// Dh/8 16-byte pieces by as many neighbouring lanes, so one pass of the block covers
+// 256 / (Dh/8) positions with every load independent of the others: the kernel is bound by load
+// latency (a step reads only a few hundred KB), and this keeps many loads in flight.
+__global__ void __launch_bounds__(kDecodeThreads)
+    decode_attention_kernel(const bf16* q, const bf16* k_cache, const bf16* v_cache, AttentionShape s,
+                            const int32_t* length, float scale, bf16* out) {
   extern __shared__ float shared[];
   __shared__ float scratch[32];
   const int32_t dh = s.head_dim;
-  float* query = shared;         // [Dh]
-  float* weights = shared + dh;  // [visible]
+  const int32_t pieces = dh / 8;  // lanes per row: a power of two <= 32 (checked by the launcher)
+  const int32_t rows_per_pass = kDecodeThreads / pieces;
+  float* weights = shared;                   // [cache_stride] scores, then exp(score - max)
+  float* partial = shared + s.cache_stride;  // [rows_per_pass, Dh] per-lane-group output sums
   const int32_t b = blockIdx.x / s.n_heads, h = blockIdx.x % s.n_heads;
   const int32_t kv_head = h / (s.n_heads / s.n_kv_heads);
   const int32_t visible = *length + 1;
   const int64_t cache_base = (int64_t{b} * s.n_kv_heads + kv_head) * s.cache_stride * dh;
-  const bf16* keys = k_cache + cache_base;
-  const bf16* values = v_cache + cache_base;
-  for (int32_t d = threadIdx.x; d < dh; d += blockDim.x) query[d] = to_float(q[(int64_t{b} * s.n_heads + h) * dh + d]);
-  __syncthreads();
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
-  for (int32_t j = warp; j < visible; j += warps) {
-    float dot = 0;
-    for (int32_t d = lane; d < dh; d += 32) dot += query[d] * to_float(keys[int64_t{j} * dh + d]);
-    dot = warp_sum(dot);
-    if (lane == 0) weights[j] = dot * scale;
-  }
-  __syncthreads();
+  const auto* keys = reinterpret_cast<const uint4*>(k_cache + cache_base);    // [cap, pieces]
+  const auto* values = reinterpret_cast<const uint4*>(v_cache + cache_base);  // [cap, pieces]
+  const int32_t piece = threadIdx.x % pieces, row_in_pass = threadIdx.x / pieces;
+  const uint4 query = reinterpret_cast<const uint4*>(q + (int64_t{b} * s.n_heads + h) * dh)[piece];
+
   float max_score = -FLT_MAX;
-  for (int32_t j = threadIdx.x; j < visible; j += blockDim.x) max_score = fmaxf(max_score, weights[j]);
-  max_score = block_reduce<true>(max_score, scratch);
+#pragma unroll 4
+  for (int32_t first = 0; first < visible; first += rows_per_pass) {  // the same trip count in every lane
+    const int32_t j = first + row_in_pass;
+    float dot = j < visible ? dot8(keys[int64_t{j} * pieces + piece], query) : 0.0f;
+    for (int32_t offset = pieces / 2; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+    if (j < visible) {
+      dot *= scale;
+      if (piece == 0) weights[j] = dot;
+      max_score = fmaxf(max_score, dot);
+    }
+  }
+  max_score = block_reduce<true>(max_score, scratch);  // its barriers also publish weights[]
   float total = 0;
   for (int32_t j = threadIdx.x; j < visible; j += blockDim.x) {
-    weights[j] = expf(weights[j] - max_score);
-    total += weights[j];
+    const float weight = expf(weights[j] - max_score);
+    weights[j] = weight;
+    total += weight;
   }
-  total = block_reduce<false>(total, scratch);  // its barriers also publish weights[]
+  total = block_reduce<false>(total, scratch);
+
+  float sums[8] = {};
+#pragma unroll 4
+  for (int32_t j = row_in_pass; j < visible; j += rows_per_pass) {
+    const uint4 v = values[int64_t{j} * pieces + piece];
+    const float weight = weights[j];
+    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      sums[2 * w] = fmaf(weight, bf16_low(words[w]), sums[2 * w]);
+      sums[2 * w + 1] = fmaf(weight, bf16_high(words[w]), sums[2 * w + 1]);
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < 8; ++e) partial[row_in_pass * dh + piece * 8 + e] = sums[e];
+  __syncthreads();
   const float inv_total = 1.0f / total;
   for (int32_t d = threadIdx.x; d < dh; d += blockDim.x) {
     float sum = 0;
-    for (int32_t j = 0; j < visible; ++j) sum += weights[j] * to_float(values[int64_t{j} * dh + d]);
+    for (int32_t r = 0; r < rows_per_pass; ++r) sum += partial[r * dh + d];
     out[(int64_t{b} * s.n_heads + h) * dh + d] = to_bf16(sum * inv_total);
   }
 }
@@ -232,8 +262,13 @@ void heads_to_tokens(const bf16* in, const AttentionShape& shape, bf16* out, cud
   TWELL_CUDA_CHECK_LAUNCH();
 }
 
-int32_t decode_attention_max_positions(int32_t head_dim) {
-  return device_facts().max_smem_per_block_optin / static_cast<int32_t>(sizeof(float)) - head_dim - 64;
+int32_t decode_attention_max_positions() {
+  return device_facts().max_smem_per_block_optin / static_cast<int32_t>(sizeof(float)) - kDecodePartialFloats - 64;
+}
+
+bool decode_attention_supports(int32_t head_dim) {
+  const int32_t pieces = head_dim / 8;
+  return head_dim % 8 == 0 && pieces >= 1 && pieces <= 32 && (pieces & (pieces - 1)) == 0;
 }
 
 void decode_attention(const bf16* q, const bf16* k_cache, const bf16* v_cache, const AttentionShape& shape,
@@ -243,8 +278,8 @@ void decode_attention(const bf16* q, const bf16* k_cache, const bf16* v_cache, c
     TWELL_CUDA_CHECK(cudaFuncSetAttribute(decode_attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           device_facts().max_smem_per_block_optin - 32 * static_cast<int>(sizeof(float))));
   });
-  const size_t shared = (static_cast<size_t>(shape.cache_stride) + shape.head_dim) * sizeof(float);
-  decode_attention_kernel<<<static_cast<unsigned>(shape.batch * shape.n_heads), 128, shared, stream>>>(
+  const size_t shared = (static_cast<size_t>(shape.cache_stride) + kDecodePartialFloats) * sizeof(float);
+  decode_attention_kernel<<<static_cast<unsigned>(shape.batch * shape.n_heads), kDecodeThreads, shared, stream>>>(
       q, k_cache, v_cache, shape, length, scale, out);
   TWELL_CUDA_CHECK_LAUNCH();
 }

@@ -43,11 +43,13 @@ void causal_softmax(const float* scores, int64_t rows_total, int32_t tokens, int
 void heads_to_tokens(const bf16* in, const AttentionShape& shape, bf16* out, cudaStream_t stream);
 
 // One decode step (n = 1): out [B, H_q·Dh] bf16 = softmax(scale·q·K^T)·V over positions 0 ..= *length
-// of each sequence's cache, q [B, H_q, Dh] bf16. Needs (cap + Dh) floats of shared memory per block.
+// of each sequence's cache, q [B, H_q, Dh] bf16. Dh must pass decode_attention_supports.
 void decode_attention(const bf16* q, const bf16* k_cache, const bf16* v_cache, const AttentionShape& shape,
                       const int32_t* length, float scale, bf16* out, cudaStream_t stream);
-// Largest cache stride decode_attention accepts on this device.
-int32_t decode_attention_max_positions(int32_t head_dim);
+// Dh = 8·2^i, up to 256 (rows are read in 16-byte pieces by a power-of-two group of lanes).
+bool decode_attention_supports(int32_t head_dim);
+// Largest cache stride decode_attention accepts on this device (scores live in shared memory).
+int32_t decode_attention_max_positions();
 
 // hidden [count] fp32 += y [count] (bf16 or fp32).
 void add_residual(float* hidden, const bf16* y, int64_t count, cudaStream_t stream);

@@ -279,8 +279,8 @@ CudaModel::CudaModel(const Model& host, CudaModelOptions options) : impl_((requi
   m.config = host.config();
   m.options = options;
   const ModelConfig& c = m.config;
-  TWELL_REQUIRE(c.head_dim % 2 == 0 && c.head_dim <= 1024, "CUDA runtime: head_dim must be even and <= 1024, got {}",
-                c.head_dim);
+  TWELL_REQUIRE(mk::decode_attention_supports(c.head_dim),
+                "CUDA runtime: head_dim must be 8, 16, 32, 64, 128 or 256, got {}", c.head_dim);
   TWELL_REQUIRE(c.n_heads % c.n_kv_heads == 0, "CUDA runtime: n_heads ({}) must be a multiple of n_kv_heads ({})",
                 c.n_heads, c.n_kv_heads);
   const ModelWeights& w = host.weights();
@@ -373,7 +373,7 @@ void CudaModel::reset(int32_t batch, int32_t capacity) {
   TWELL_REQUIRE(batch >= 1, "batch must be >= 1, got {}", batch);
   TWELL_REQUIRE(capacity >= 1, "KV cache capacity must be >= 1, got {}", capacity);
   const int32_t stride = round_up(capacity, kPositionAlign);
-  const int32_t most = mk::decode_attention_max_positions(c.head_dim);
+  const int32_t most = mk::decode_attention_max_positions();
   TWELL_REQUIRE(stride <= most, "KV cache capacity {} exceeds the {} positions the decode attention kernel holds",
                 capacity, most);
   if (batch != m.batch || stride != m.cache_stride) m.drop_graphs();

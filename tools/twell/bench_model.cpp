@@ -248,8 +248,10 @@ void run_bench_model(const BenchModelOptions& options) {
     }
     const double prefill_speedup = dense_prefill > 0 ? prefill.mean / dense_prefill : NAN;
     const double decode_speedup = dense_decode > 0 ? decode.mean / dense_decode : NAN;
-    const double prefill_j = times.prefill_joules / (prefill_tokens * options.reps);
-    const double decode_j = times.decode_joules / (decode_tokens * options.reps);
+    // A counter that did not move (intervals shorter than its update period) measured nothing.
+    auto per_token = [&](double joules, double tokens) { return joules > 0 ? joules / (tokens * options.reps) : NAN; };
+    const double prefill_j = per_token(times.prefill_joules, prefill_tokens);
+    const double decode_j = per_token(times.decode_joules, decode_tokens);
     auto joules = [](double value) { return std::isnan(value) ? std::string("n/a") : fmt::format("{:.3g}", value); };
     fmt::print("{:>8} {:>12.1f} ± {:>7.1f} {:>12.1f} ± {:>7.1f} {:>8.2f}x {:>8.2f}x {:>10} {:>10}\n", name, prefill.mean,
                prefill.stddev, decode.mean, decode.stddev, prefill_speedup, decode_speedup, joules(prefill_j),
