@@ -5,6 +5,9 @@
 // is what a calibration achieves on text it has not seen. Per layer and predictor: recall,
 // precision, truly active and predicted neurons per token, the predicted set as a multiple of the
 // active set, and the decode FFN's relative L2 error against the exact FFN (everything predicted).
+// --stored measures instead the calibration stored with the model (twell_predictor.json) on the
+// whole text: how a calibration made on one text holds on another.
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 
@@ -32,6 +35,7 @@ struct ReportOptions {
   int32_t window = 256;
   std::string out_prefix = "twell-predictor";
   int threads = 0;
+  bool stored = false;
 };
 
 // Relative L2 error of the decode FFN with `predictor` against the same FFN with every neuron
@@ -78,20 +82,37 @@ void run_report(const ReportOptions& options) {
   const ModelConfig& config = model.config();
   TWELL_REQUIRE(config.activation == FfnActivation::relu,
                 "predictor-report needs a ReLU FFN; this model's activation is {}", to_string(config.activation));
+  const std::vector<PredictorConfig> stored = model.predictor();
+  TWELL_REQUIRE(!options.stored || !stored.empty(), "--stored: {} has no twell_predictor.json (run `twell calibrate -m "
+                "{} -f TEXT` first)", options.model_dir, options.model_dir);
   const TextSamples all = text_ffn_inputs(model, options.model_dir, options.text_file, options.max_tokens, options.window);
-  TWELL_REQUIRE(all.windows >= 2, "the text gives {} window(s) of {} tokens; it takes two, one to calibrate and one to "
-                "measure (a longer text or a smaller --window)", all.windows, options.window);
-  // Split on a window boundary so no context is shared between the two parts.
+  TWELL_REQUIRE(options.stored || all.windows >= 2, "the text gives {} window(s) of {} tokens; it takes two, one to "
+                "calibrate and one to measure (a longer text or a smaller --window)", all.windows, options.window);
+  // Split on a window boundary so no context is shared between the two parts; --stored measures all.
   const int32_t calibration_windows =
-      std::clamp(static_cast<int32_t>(std::lround(options.calibrate_fraction * all.windows)), 1, all.windows - 1);
+      options.stored ? 0
+                     : std::clamp(static_cast<int32_t>(std::lround(options.calibrate_fraction * all.windows)), 1,
+                                  all.windows - 1);
   const int64_t boundary = all.window_rows * calibration_windows;
   const TextSamples calibration = slice_rows(all, 0, boundary, config.d_model);
   const TextSamples evaluation = slice_rows(all, boundary, all.tokens, config.d_model);
+  if (options.stored) {
+    kinds.clear();
+    for (const PredictorConfig& layer : stored)
+      if (std::find(kinds.begin(), kinds.end(), layer.kind) == kinds.end()) kinds.push_back(layer.kind);
+  }
 
   std::vector<Row> rows;
   for (int32_t l = 0; l < config.n_layers; ++l) {
     const FfnWeights& weights = model.weights().layers[l].ffn;
     const SignBits signs = pack_sign_bits(weights.relu_projection().data(), config.d_hidden, config.d_model);
+    if (options.stored) {
+      const PredictorConfig& c = stored[l];
+      const PredictorQuality q = measure_predictor(evaluation.ffn_inputs[l].data(), evaluation.tokens, weights, signs, c);
+      const double error = decode_ffn_error(evaluation.ffn_inputs[l].data(), evaluation.tokens, weights, signs, c);
+      rows.push_back({l, c.kind, c.kind == PredictorKind::sign_rule ? c.alpha : c.margin, NAN, q, error});
+      continue;
+    }
     for (PredictorKind kind : kinds) {
       const Calibration c = calibrate_predictor(calibration.ffn_inputs[l].data(), calibration.tokens, weights, signs,
                                                 kind, options.recall);
@@ -103,9 +124,14 @@ void run_report(const ReportOptions& options) {
     }
   }
 
-  fmt::print("{}: {} layers, D={}, H={}; {} tokens of {}: {} calibrate, {} measure; target recall {}\n",
-             config.model_type, config.n_layers, config.d_model, config.d_hidden, all.tokens, options.text_file,
-             calibration.tokens, evaluation.tokens, options.recall);
+  if (options.stored)
+    fmt::print("{}: {} layers, D={}, H={}; {} tokens of {}, all measured with {}/twell_predictor.json\n",
+               config.model_type, config.n_layers, config.d_model, config.d_hidden, all.tokens, options.text_file,
+               options.model_dir);
+  else
+    fmt::print("{}: {} layers, D={}, H={}; {} tokens of {}: {} calibrate, {} measure; target recall {}\n",
+               config.model_type, config.n_layers, config.d_model, config.d_hidden, all.tokens, options.text_file,
+               calibration.tokens, evaluation.tokens, options.recall);
   fmt::print("{:>5} {:>12} {:>11} {:>8} {:>9} {:>9} {:>10} {:>12} {:>10} {:>10}\n", "layer", "kind", "alpha/margin",
              "recall", "precision", "active/t", "predicted/t", "pred/active", "pred %", "FFN rel err");
   std::ofstream csv(options.out_prefix + ".csv");
@@ -162,6 +188,7 @@ void run_report(const ReportOptions& options) {
                          {"text", options.text_file},
                          {"d_model", config.d_model},
                          {"d_hidden", config.d_hidden},
+                         {"stored_calibration", options.stored},
                          {"target_recall", options.recall},
                          {"calibration_tokens", calibration.tokens},
                          {"evaluation_tokens", evaluation.tokens},
@@ -190,6 +217,8 @@ void add_predictor_report(CLI::App& app) {
   command->add_option("--window", options->window, "tokens per forward pass (fresh context each)")->capture_default_str();
   command->add_option("-o,--out", options->out_prefix, "output prefix: PREFIX.csv, PREFIX.json")->capture_default_str();
   command->add_option("--threads", options->threads, "CPU threads (0 = all cores)")->capture_default_str();
+  command->add_flag("--stored", options->stored,
+                    "measure the model's stored twell_predictor.json on the whole text instead of calibrating");
   command->callback([options] { run_report(*options); });
 }
 
