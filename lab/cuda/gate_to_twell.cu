@@ -88,9 +88,8 @@ bool check(bool quick) {
 
 void bench(const std::vector<int64_t>& row_counts, int32_t d, int32_t h, double density, int32_t tile,
            int32_t compression, int reps, const std::string& json_path) {
-  const std::string commit = build_commit(), date = today_utc(), gpu = cuda::device_name();
   std::vector<BenchRecord> records;
-  std::printf("%s, D=%d H=%d density=%g T=%d C=%d, median of %d calls (p10-p90), %d rotated inputs\n", gpu.c_str(), d,
+  std::printf("%s, D=%d H=%d density=%g T=%d C=%d, median of %d calls (p10-p90), %d rotated inputs\n", cuda::device_name(), d,
               h, density, tile, compression, reps, kInputSets);
   std::printf("%6s | %9s %17s %8s | %9s %17s %8s | %6s\n", "M", "gate ms", "p10-p90", "TFLOP/s", "cublas ms",
               "p10-p90", "TFLOP/s", "ratio");
@@ -126,18 +125,7 @@ void bench(const std::vector<int64_t>& row_counts, int32_t d, int32_t h, double 
     std::fflush(stdout);
 
     auto record_of = [&](const std::string& impl, const TimingStats& t) {
-      BenchRecord r;
-      r.bench = "gate";
-      r.device = "cuda";
-      r.gpu_name = gpu;
-      r.impl = impl;
-      r.M = rows;
-      r.D = d;
-      r.H = h;
-      r.target_density = density;
-      r.timing = t;
-      r.commit = commit;
-      r.date = date;
+      BenchRecord r = lab::cuda_record("gate", impl, rows, d, h, density, t);
       r.extra = {{"tflop_per_s", tflops(t)},
                  {"ratio_to_cublaslt", t.median_ms / cublas_t.median_ms},
                  {"input_sets", kInputSets},
@@ -156,11 +144,7 @@ void bench(const std::vector<int64_t>& row_counts, int32_t d, int32_t h, double 
 }  // namespace
 
 int main(int argc, char** argv) {
-  try {
-    if (!cuda::available()) {
-      std::printf("no CUDA device: nothing to do\n");
-      return 0;
-    }
+  return lab::run_main("lab_gate_to_twell", [&] {
     const std::string mode = argc > 1 ? argv[1] : "check";
     if (mode == "check") return check(argc > 2 && std::string(argv[2]) == "quick") ? 0 : 1;
     if (mode == "bench" && argc >= 8) {
@@ -168,10 +152,7 @@ int main(int argc, char** argv) {
             std::atoi(argv[7]), argc > 8 ? std::atoi(argv[8]) : 50, argc > 9 ? argv[9] : "");
       return 0;
     }
-    std::fprintf(stderr, "usage: %s check | bench M,.. D H density T C [reps] [json]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s check [quick] | bench M,.. D H density T C [reps] [json]\n", argv[0]);
     return 2;
-  } catch (const std::exception& error) {
-    std::fprintf(stderr, "lab_gate_to_twell: error: %s\n", error.what());
-    return 1;
-  }
+  });
 }

@@ -1,17 +1,21 @@
 // What every kernel lab shares: comma-separated argument lists, CUDA-event timing of a call over
-// rotated input sets (warm-up first, then one event pair per call; median and spread), and the
-// comparison of a packed gate with the float64 reference's.
+// rotated input sets (warm-up first, then one event pair per call; median and spread), the
+// comparison of a packed gate with the float64 reference's, bench records and main's frame.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
+#include <exception>
+#include <string>
 #include <vector>
 
 #include "cuda/cuda_utils.h"
 #include "twell/bench_record.h"
 #include "twell/convert.h"
+#include "twell/cuda.h"
 
 namespace twell::lab {
 
@@ -67,6 +71,41 @@ inline int64_t differing_values(const TwellMatrix& got, const TwellMatrix& want)
         1e-2f * std::fabs(to_float(want_dense[i])) + 1e-4f * largest)
       ++differing;
   return differing;
+}
+
+// A record with the fields every lab fills alike (device "cuda", this GPU, this build, today); the
+// caller adds errors, memory and extras.
+inline BenchRecord cuda_record(const std::string& bench, const std::string& impl, int64_t rows, int32_t d_model,
+                               int32_t d_hidden, double density, const TimingStats& timing) {
+  BenchRecord r;
+  r.bench = bench;
+  r.device = "cuda";
+  r.gpu_name = cuda::device_name();
+  r.impl = impl;
+  r.M = rows;
+  r.D = d_model;
+  r.H = d_hidden;
+  r.target_density = density;
+  r.timing = timing;
+  r.commit = build_commit();
+  r.date = today_utc();
+  return r;
+}
+
+// A lab's main: `body` returns the exit code; without a CUDA device nothing runs (exit 0), and an
+// exception becomes one line "NAME: error: ..." and exit 1.
+template <typename Body>
+int run_main(const char* name, Body&& body) {
+  try {
+    if (!cuda::available()) {
+      std::printf("no CUDA device: nothing to do\n");
+      return 0;
+    }
+    return body();
+  } catch (const std::exception& error) {
+    std::fprintf(stderr, "%s: error: %s\n", name, error.what());
+    return 1;
+  }
 }
 
 }  // namespace twell::lab

@@ -131,9 +131,8 @@ bool check() {
 
 void bench(const std::vector<int64_t>& row_counts, int32_t d, int32_t h, const std::vector<double>& densities,
            int reps, const std::string& json_path) {
-  const std::string commit = build_commit(), date = today_utc(), gpu = cuda::device_name();
   std::vector<BenchRecord> records;
-  std::printf("%s, D=%d H=%d, T=128 C=4, median of %d calls, %d rotated inputs\n", gpu.c_str(), d, h, reps, kInputSets);
+  std::printf("%s, D=%d H=%d, T=128 C=4, median of %d calls, %d rotated inputs\n", cuda::device_name(), d, h, reps, kInputSets);
   std::printf("%6s %7s %8s | %9s %9s %9s %9s %8s | %9s %8s | %9s %9s %6s | %7s\n", "M", "density", "nnz/row",
               "dense ms", "gate ms", "ffn ms", "twell ms", "speedup", "auto ms", "speedup", "err dense", "err twell",
               "ratio", "TFLOP/s");
@@ -185,21 +184,10 @@ void bench(const std::vector<int64_t>& row_counts, int32_t d, int32_t h, const s
       std::fflush(stdout);
 
       auto record_of = [&](const std::string& impl, const TimingStats& t, double err, int64_t bytes) {
-        BenchRecord r;
-        r.bench = "ffn";
-        r.device = "cuda";
-        r.gpu_name = gpu;
-        r.impl = impl;
-        r.M = rows;
-        r.D = d;
-        r.H = h;
-        r.target_density = density;
+        BenchRecord r = lab::cuda_record("ffn", impl, rows, d, h, density, t);
         r.nnz_per_row = nnz_per_row;
-        r.timing = t;
         r.rel_err = err;
         r.peak_bytes = bytes;
-        r.commit = commit;
-        r.date = date;
         r.extra = {{"speedup_vs_dense", dense_t.median_ms / t.median_ms},
                    {"reference_rows", static_cast<int>(ref.rows.size())},
                    {"input_sets", kInputSets},
@@ -224,11 +212,7 @@ void bench(const std::vector<int64_t>& row_counts, int32_t d, int32_t h, const s
 }  // namespace
 
 int main(int argc, char** argv) {
-  try {
-    if (!cuda::available()) {
-      std::printf("no CUDA device: nothing to do\n");
-      return 0;
-    }
+  return lab::run_main("lab_twell_ffn", [&] {
     const std::string mode = argc > 1 ? argv[1] : "check";
     if (mode == "check") return check() ? 0 : 1;
     if (mode == "bench" && argc >= 6) {
@@ -238,8 +222,5 @@ int main(int argc, char** argv) {
     }
     std::fprintf(stderr, "usage: %s check | bench M,.. D H density,.. [reps] [json]\n", argv[0]);
     return 2;
-  } catch (const std::exception& error) {
-    std::fprintf(stderr, "lab_twell_ffn: error: %s\n", error.what());
-    return 1;
-  }
+  });
 }
