@@ -16,6 +16,7 @@
 #include <fmt/format.h>
 
 #include "commands.h"
+#include "progress.h"
 #include "timing.h"
 #include "twell/bench_record.h"
 #include "twell/cpu.h"
@@ -79,6 +80,7 @@ PhaseTimes time_cpu(Model& model, const BenchModelOptions& options, const std::v
   const int32_t capacity = options.prompt_tokens + options.decode_tokens;
   std::vector<float> logits(model.config().vocab_size);
   PhaseTimes times;
+  Progress progress("  timing", options.reps + 1, "reps");
   for (int rep = -1; rep < options.reps; ++rep) {  // rep -1 warms up (buffers, page faults)
     KvCache cache = model.new_cache(capacity);
     const double prefill = wall_ms([&] { model.forward(prompt.data(), options.prompt_tokens, cache, logits.data()); });
@@ -89,6 +91,7 @@ PhaseTimes time_cpu(Model& model, const BenchModelOptions& options, const std::v
         token = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
       }
     });
+    progress.update(rep + 2);
     if (rep < 0) continue;
     times.prefill_ms.push_back(prefill);
     times.decode_ms.push_back(decode);
@@ -102,6 +105,7 @@ PhaseTimes time_cuda(cuda::CudaModel& gpu, const BenchModelOptions& options, con
                      const std::vector<int32_t>& decode_prompts, const cuda::EnergyCounter& energy) {
   std::vector<float> logits(static_cast<size_t>(options.decode_batch) * gpu.config().vocab_size);
   PhaseTimes times;
+  Progress progress("  timing", options.reps + 1, "reps");
   for (int rep = -1; rep < options.reps; ++rep) {  // rep -1 warms up (plans, buffers, dispatch timings, graphs)
     gpu.reset(options.batch, options.prompt_tokens);
     gpu.synchronize();
@@ -122,6 +126,7 @@ PhaseTimes time_cuda(cuda::CudaModel& gpu, const BenchModelOptions& options, con
       gpu.synchronize();
     });
     const double decode_j = energy.joules() - decode_start_j;
+    progress.update(rep + 2);
     if (rep < 0) continue;
     times.prefill_ms.push_back(prefill);
     times.decode_ms.push_back(decode);

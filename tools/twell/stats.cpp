@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include "commands.h"
+#include "progress.h"
 #include "twell/cpu.h"
 #include "twell/error.h"
 #include "twell/model.h"
@@ -111,14 +112,16 @@ void run_stats(const StatsOptions& options) {
   const int32_t bos = tokenizer->bos_token();
   std::vector<float> logits(config.vocab_size);
   const int32_t window = std::min(options.window, config.max_positions - 1);
-  for (size_t start = 0; start < tokens.size(); start += window) {
-    std::vector<int32_t> chunk(tokens.begin() + start, tokens.begin() + std::min(tokens.size(), start + window));
-    if (bos >= 0) chunk.insert(chunk.begin(), bos);
-    KvCache cache = model.new_cache(static_cast<int32_t>(chunk.size()));
-    model.forward(chunk.data(), static_cast<int32_t>(chunk.size()), cache, logits.data());
-    std::fprintf(stderr, "\rtwell stats: %zu / %zu tokens", std::min(tokens.size(), start + window), tokens.size());
+  {
+    Progress progress("twell stats", static_cast<int64_t>(tokens.size()), "tokens");
+    for (size_t start = 0; start < tokens.size(); start += window) {
+      std::vector<int32_t> chunk(tokens.begin() + start, tokens.begin() + std::min(tokens.size(), start + window));
+      if (bos >= 0) chunk.insert(chunk.begin(), bos);
+      KvCache cache = model.new_cache(static_cast<int32_t>(chunk.size()));
+      model.forward(chunk.data(), static_cast<int32_t>(chunk.size()), cache, logits.data());
+      progress.update(static_cast<int64_t>(std::min(tokens.size(), start + window)));
+    }
   }
-  std::fprintf(stderr, "\n");
 
   const std::string summary_path = options.out_prefix + "-layers.csv";
   const std::string tokens_path = options.out_prefix + "-tokens.csv";

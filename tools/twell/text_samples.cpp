@@ -1,10 +1,10 @@
 #include "text_samples.h"
 
 #include <algorithm>
-#include <cstdio>
 #include <fstream>
 #include <sstream>
 
+#include "progress.h"
 #include "twell/error.h"
 #include "twell/tokenizer.h"
 
@@ -28,6 +28,7 @@ TextSamples text_ffn_inputs(Model& model, const std::string& model_dir, const st
 
   TextSamples samples;
   samples.ffn_inputs.resize(model.config().n_layers);
+  Progress progress("twell: through the model", static_cast<int64_t>(tokens.size()), "tokens");
   for (size_t start = 0; start < tokens.size(); start += span) {
     std::vector<int32_t> chunk(tokens.begin() + start, tokens.begin() + std::min(tokens.size(), start + span));
     if (bos >= 0) chunk.insert(chunk.begin(), bos);
@@ -37,10 +38,8 @@ TextSamples text_ffn_inputs(Model& model, const std::string& model_dir, const st
     if (samples.windows == 0) samples.window_rows = static_cast<int64_t>(chunk.size());
     samples.tokens += static_cast<int64_t>(chunk.size());
     ++samples.windows;
-    std::fprintf(stderr, "\rtwell: %zu / %zu tokens through the model", std::min(tokens.size(), start + span),
-                 tokens.size());
+    progress.update(static_cast<int64_t>(std::min(tokens.size(), start + span)));
   }
-  std::fprintf(stderr, "\n");
   return samples;
 }
 
