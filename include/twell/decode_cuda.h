@@ -25,6 +25,9 @@ class DecodeLayer {
   DecodeLayer(const DeviceFfnWeights& weights, const SignBits& signs);
   ~DecodeLayer();
   DecodeLayer(const DecodeLayer&) = delete;
+  // The predictors run() has kernels for (the sign rule and the one-bit gate); the normalized
+  // gates are CPU only.
+  static bool supports(PredictorKind kind);
   DecodeLayer& operator=(const DecodeLayer&) = delete;
 
   // y [M, D] fp32 (device) from x [M, D] bf16 (device), 1 <= M <= kDecodeMaxRows. Asynchronous.

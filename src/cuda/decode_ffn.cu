@@ -367,11 +367,15 @@ DecodeLayer::DecodeLayer(const DeviceFfnWeights& weights, const SignBits& signs)
 
 DecodeLayer::~DecodeLayer() = default;
 
+bool DecodeLayer::supports(PredictorKind kind) {
+  return kind == PredictorKind::sign_rule || kind == PredictorKind::one_bit_gate;
+}
+
 void DecodeLayer::run(const bf16* x, int64_t rows, const PredictorConfig& predictor, float* y, cudaStream_t stream,
                       const DecodeOptions& options) const {
   const DeviceFfnWeights& w = *impl_->weights;
   TWELL_REQUIRE(rows >= 1 && rows <= kDecodeMaxRows, "rows (M) must lie in [1, {}], got {}", kDecodeMaxRows, rows);
-  TWELL_REQUIRE(predictor.kind == PredictorKind::sign_rule || predictor.kind == PredictorKind::one_bit_gate,
+  TWELL_REQUIRE(supports(predictor.kind),
                 "the CUDA decode FFN has no kernel for the {} predictor yet (CPU only); calibrate with one-bit or sign",
                 to_string(predictor.kind));
   const bool sign_rule = predictor.kind == PredictorKind::sign_rule;

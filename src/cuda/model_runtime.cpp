@@ -350,6 +350,12 @@ void CudaModel::set_predictor(const std::vector<PredictorConfig>& per_layer) {
   TWELL_REQUIRE(m.path == FfnPath::predict, "set_predictor: select the predict path first");
   TWELL_REQUIRE(static_cast<int32_t>(per_layer.size()) == m.config.n_layers,
                 "set_predictor: expected one config per layer ({}), got {}", m.config.n_layers, per_layer.size());
+  // Refused here rather than at the first decode step, after the prompt has run.
+  for (size_t layer = 0; layer < per_layer.size(); ++layer)
+    TWELL_REQUIRE(DecodeLayer::supports(per_layer[layer].kind),
+                  "layer {}: the CUDA decode FFN has no kernel for the {} predictor (CPU only); run `twell calibrate "
+                  "--predictor one-bit` (or sign) for --device cuda, or decode on the CPU",
+                  layer, to_string(per_layer[layer].kind));
   m.predictors = per_layer;
   m.drop_graphs();  // the graphs hold the old settings as kernel arguments
 }
