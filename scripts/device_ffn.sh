@@ -11,16 +11,8 @@ set -o pipefail
 bin=${1:-.carry/kern}
 out=${OUT:-/tmp/device_ffn}
 steps=${STEPS:-check,tests,bench,sanitize,grid}
-mkdir -p "$out"
-if compgen -G "$bin/*.gz" > /dev/null; then
-  mkdir -p /tmp/device_ffn_bin
-  for f in "$bin"/*.gz; do gzip -dc "$f" > "/tmp/device_ffn_bin/$(basename "$f" .gz)"; done
-  chmod +x /tmp/device_ffn_bin/*
-  bin=/tmp/device_ffn_bin
-fi
+source "$(dirname "$0")/device/common.sh"
 log=$out/device.log
-status=0
-step() { [[ ",$steps," == *",$1,"* ]]; }
 
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv | tee -a "$log"
 

@@ -9,15 +9,7 @@ set -o pipefail
 bin=${1:-.carry/gate}
 out=${OUT:-/tmp/device_gate}
 steps=${STEPS:-check,bench,tests,sanitize}
-mkdir -p "$out"
-if compgen -G "$bin/*.gz" > /dev/null; then
-  mkdir -p /tmp/device_gate_bin
-  for f in "$bin"/*.gz; do gzip -dc "$f" > "/tmp/device_gate_bin/$(basename "$f" .gz)"; done
-  chmod +x /tmp/device_gate_bin/*
-  bin=/tmp/device_gate_bin
-fi
-status=0
-step() { [[ ",$steps," == *",$1,"* ]]; }
+source "$(dirname "$0")/device/common.sh"
 
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv
 
