@@ -33,8 +33,6 @@ using namespace twell;
 
 namespace {
 
-constexpr int kInputSets = 3;
-
 int64_t count_nonzeros(const TwellMatrix& packed) {
   int64_t count = 0;
   for (const bf16 value : dense_from_twell(packed)) count += to_float(value) != 0.f;
@@ -45,23 +43,15 @@ int64_t count_nonzeros(const TwellMatrix& packed) {
 // tiles in M and H, one row, every tile spilled, a spill too small at first (the _complete loop),
 // and several tiles per persistent block with the ring wrapping at odd points (few k-tiles).
 bool check(bool quick) {
-  struct Case {
-    WorkloadSpec spec;
-    int32_t tile, compression;
-  };
-  const std::vector<Case> cases = {
-      {{.rows = 1, .d_model = 64, .d_hidden = 128, .density = 0.05, .seed = 1}, 128, 4},
-      {{.rows = 17, .d_model = 512, .d_hidden = 1000, .density = 0.1, .seed = 2}, 128, 2},
-      {{.rows = 300, .d_model = 256, .d_hidden = 4097, .density = 0.02, .hot_neurons = 5, .seed = 3}, 256, 8},
-      {{.rows = 129, .d_model = 2048, .d_hidden = 5632, .density = 0.5, .gated = false, .seed = 4}, 256, 4},
-      {{.rows = 3, .d_model = 4096, .d_hidden = 1000, .density = 1.0, .seed = 5}, 128, 8},
+  std::vector<lab::GateCase> cases = lab::small_gate_cases();
+  cases.insert(cases.end(), {
       {{.rows = 6001, .d_model = 192, .d_hidden = 3000, .density = 0.05, .seed = 6}, 128, 4},
       {{.rows = 6001, .d_model = 320, .d_hidden = 3000, .density = 0.3, .seed = 7}, 256, 4},
       {{.rows = 2500, .d_model = 128, .d_hidden = 5632, .density = 0.02, .seed = 8}, 128, 8},
       {{.rows = 1000, .d_model = 64, .d_hidden = 2000, .density = 1.0, .seed = 9}, 128, 2},
-  };
+  });
   bool ok = true;
-  for (const Case& c : cases) {
+  for (const lab::GateCase& c : cases) {
     if (quick && c.spec.rows * c.spec.d_model > 2500 * 128) continue;
     const Workload work = make_workload(c.spec);
     const cuda::DeviceFfnWeights weights = cuda::upload_weights(work.weights);
@@ -90,7 +80,7 @@ void bench(const std::vector<int64_t>& row_counts, int32_t d, int32_t h, double 
            int32_t compression, int reps, const std::string& json_path) {
   std::vector<BenchRecord> records;
   std::printf("%s, D=%d H=%d density=%g T=%d C=%d, median of %d calls (p10-p90), %d rotated inputs\n", cuda::device_name(), d,
-              h, density, tile, compression, reps, kInputSets);
+              h, density, tile, compression, reps, lab::kInputSets);
   std::printf("%6s | %9s %17s %8s | %9s %17s %8s | %6s\n", "M", "gate ms", "p10-p90", "TFLOP/s", "cublas ms",
               "p10-p90", "TFLOP/s", "ratio");
   cuda::RowMajorGemm cublas;
@@ -98,20 +88,15 @@ void bench(const std::vector<int64_t>& row_counts, int32_t d, int32_t h, double 
     const WorkloadSpec spec{.rows = rows, .d_model = d, .d_hidden = h, .density = density, .seed = 7};
     const Workload work = make_workload(spec);
     const cuda::DeviceFfnWeights weights = cuda::upload_weights(work.weights);
-    std::vector<cuda::DeviceArray<bf16>> x;
-    x.push_back(cuda::upload_bf16(work.x.data(), work.x.size()));
-    for (int i = 1; i < kInputSets; ++i) {
-      const std::vector<float> more = make_activations(rows, d, spec.seed + 1000 * i);
-      x.push_back(cuda::upload_bf16(more.data(), more.size()));
-    }
+    const std::vector<cuda::DeviceArray<bf16>> x = lab::upload_input_sets(work);
     cuda::DeviceTwell packed;
     cuda::gate_to_twell_complete(x[0].get(), rows, weights, tile, compression, packed);
     const TimingStats gate_t = lab::time_calls(
-        reps, kInputSets, [&](int i) { cuda::gate_to_twell(x[i].get(), rows, weights, tile, compression, packed); });
+        reps, lab::kInputSets, [&](int i) { cuda::gate_to_twell(x[i].get(), rows, weights, tile, compression, packed); });
     const int32_t spill_used = cuda::spill_rows_used(packed);
 
     const cuda::DeviceArray<bf16> dense_gate = cuda::make_device_array<bf16>(static_cast<size_t>(rows) * h);
-    const TimingStats cublas_t = lab::time_calls(reps, kInputSets, [&](int i) {
+    const TimingStats cublas_t = lab::time_calls(reps, lab::kInputSets, [&](int i) {
       cublas.run(rows, h, d, {x[i].get(), d, false}, {weights.relu_projection(), d, true}, dense_gate.get(), h,
                  cuda::GemmOutput::bf16, 0.f, nullptr, cuda::GemmEpilogue::relu);
     });
@@ -128,7 +113,7 @@ void bench(const std::vector<int64_t>& row_counts, int32_t d, int32_t h, double 
       BenchRecord r = lab::cuda_record("gate", impl, rows, d, h, density, t);
       r.extra = {{"tflop_per_s", tflops(t)},
                  {"ratio_to_cublaslt", t.median_ms / cublas_t.median_ms},
-                 {"input_sets", kInputSets},
+                 {"input_sets", lab::kInputSets},
                  {"tile", tile},
                  {"compression", compression}};
       return r;

@@ -1,6 +1,7 @@
-// What every kernel lab shares: comma-separated argument lists, CUDA-event timing of a call over
-// rotated input sets (warm-up first, then one event pair per call; median and spread), the
-// comparison of a packed gate with the float64 reference's, bench records and main's frame.
+// What every kernel lab shares: comma-separated argument lists, the rotated input sets and their
+// CUDA-event timing (warm-up first, then one event pair per call; median and spread), the small
+// gate shapes both checks start from, the comparison of a packed gate with the float64
+// reference's, bench records and main's frame.
 #pragma once
 
 #include <algorithm>
@@ -16,6 +17,7 @@
 #include "twell/bench_record.h"
 #include "twell/convert.h"
 #include "twell/cuda.h"
+#include "twell/workload.h"
 
 namespace twell::lab {
 
@@ -35,6 +37,39 @@ inline std::vector<double> parse_list_double(const char* text) {
     if (*p == ',') ++p;
   }
   return values;
+}
+
+// Inputs rotated over this many sets of x so the L2 cache does not hold them between calls.
+constexpr int kInputSets = 3;
+
+// kInputSets copies of x on the device ([M, D] each): the workload's own x first, then fresh
+// activations of the same shape.
+inline std::vector<cuda::DeviceArray<bf16>> upload_input_sets(const Workload& work) {
+  std::vector<cuda::DeviceArray<bf16>> x;
+  x.push_back(cuda::upload_bf16(work.x.data(), work.x.size()));
+  for (int i = 1; i < kInputSets; ++i) {
+    const std::vector<float> more = make_activations(work.spec.rows, work.spec.d_model, work.spec.seed + 1000 * i);
+    x.push_back(cuda::upload_bf16(more.data(), more.size()));
+  }
+  return x;
+}
+
+// A gate -> TwELL shape with its tile size T and compression C.
+struct GateCase {
+  WorkloadSpec spec;
+  int32_t tile, compression;
+};
+
+// The small shapes every lab check starts from: one row, a partial last tile in H, T = 256 with hot
+// neurons, a non-gated FFN, every value active.
+inline std::vector<GateCase> small_gate_cases() {
+  return {
+      {{.rows = 1, .d_model = 64, .d_hidden = 128, .density = 0.05, .seed = 1}, 128, 4},
+      {{.rows = 17, .d_model = 512, .d_hidden = 1000, .density = 0.1, .seed = 2}, 128, 2},
+      {{.rows = 300, .d_model = 256, .d_hidden = 4097, .density = 0.02, .hot_neurons = 5, .seed = 3}, 256, 8},
+      {{.rows = 129, .d_model = 2048, .d_hidden = 5632, .density = 0.5, .gated = false, .seed = 4}, 256, 4},
+      {{.rows = 3, .d_model = 4096, .d_hidden = 1000, .density = 1.0, .seed = 5}, 128, 8},
+  };
 }
 
 // call(i) runs the op on input set i (0 .. input_sets-1); 5 warm-up calls, then `reps` timed ones.

@@ -30,7 +30,6 @@ using namespace twell;
 
 namespace {
 
-constexpr int kInputSets = 3;
 constexpr int kReferenceRows = 16;
 
 // Rows spread over M whose y the float64 reference checks.
@@ -68,36 +67,21 @@ double error_on_rows(const RowReference& ref, const bf16* y_device, int32_t d) {
 
 struct Device {
   cuda::DeviceFfnWeights weights;
-  std::vector<cuda::DeviceArray<bf16>> x;  // kInputSets x [M, D]
+  std::vector<cuda::DeviceArray<bf16>> x;  // lab::kInputSets x [M, D]
   cuda::DeviceArray<bf16> y;               // [M, D]
 };
 
 Device upload(const Workload& work) {
   Device device;
   device.weights = cuda::upload_weights(work.weights);
-  device.x.push_back(cuda::upload_bf16(work.x.data(), work.x.size()));
-  for (int i = 1; i < kInputSets; ++i) {
-    const std::vector<float> x = make_activations(work.spec.rows, work.spec.d_model, work.spec.seed + 1000 * i);
-    device.x.push_back(cuda::upload_bf16(x.data(), x.size()));
-  }
+  device.x = lab::upload_input_sets(work);
   device.y = cuda::make_device_array<bf16>(work.x.size());
   return device;
 }
 
 bool check() {
   bool ok = true;
-  struct Case {
-    WorkloadSpec spec;
-    int32_t tile, compression;
-  };
-  const std::vector<Case> cases = {
-      {{.rows = 1, .d_model = 64, .d_hidden = 128, .density = 0.05, .seed = 1}, 128, 4},
-      {{.rows = 17, .d_model = 512, .d_hidden = 1000, .density = 0.1, .seed = 2}, 128, 2},
-      {{.rows = 300, .d_model = 256, .d_hidden = 4097, .density = 0.02, .hot_neurons = 5, .seed = 3}, 256, 8},
-      {{.rows = 129, .d_model = 2048, .d_hidden = 5632, .density = 0.5, .gated = false, .seed = 4}, 256, 4},
-      {{.rows = 3, .d_model = 4096, .d_hidden = 1000, .density = 1.0, .seed = 5}, 128, 8},
-  };
-  for (const Case& c : cases) {
+  for (const lab::GateCase& c : lab::small_gate_cases()) {
     const Workload work = make_workload(c.spec);
     Device device = upload(work);
     cuda::DeviceTwell packed;
@@ -132,7 +116,7 @@ bool check() {
 void bench(const std::vector<int64_t>& row_counts, int32_t d, int32_t h, const std::vector<double>& densities,
            int reps, const std::string& json_path) {
   std::vector<BenchRecord> records;
-  std::printf("%s, D=%d H=%d, T=128 C=4, median of %d calls, %d rotated inputs\n", cuda::device_name(), d, h, reps, kInputSets);
+  std::printf("%s, D=%d H=%d, T=128 C=4, median of %d calls, %d rotated inputs\n", cuda::device_name(), d, h, reps, lab::kInputSets);
   std::printf("%6s %7s %8s | %9s %9s %9s %9s %8s | %9s %8s | %9s %9s %6s | %7s\n", "M", "density", "nnz/row",
               "dense ms", "gate ms", "ffn ms", "twell ms", "speedup", "auto ms", "speedup", "err dense", "err twell",
               "ratio", "TFLOP/s");
@@ -145,19 +129,19 @@ void bench(const std::vector<int64_t>& row_counts, int32_t d, int32_t h, const s
       bf16* y = device.y.get();
 
       cuda::DenseFfn dense;
-      const TimingStats dense_t = lab::time_calls(reps, kInputSets, [&](int i) { dense.run(device.x[i].get(), rows, device.weights, y); });
+      const TimingStats dense_t = lab::time_calls(reps, lab::kInputSets, [&](int i) { dense.run(device.x[i].get(), rows, device.weights, y); });
       dense.run(device.x[0].get(), rows, device.weights, y);
       const double dense_err = error_on_rows(ref, y, d);
 
       cuda::DeviceTwell packed;
       cuda::gate_to_twell_complete(device.x[0].get(), rows, device.weights, 128, 4, packed);
-      const TimingStats gate_t = lab::time_calls(reps, kInputSets, [&](int i) {
+      const TimingStats gate_t = lab::time_calls(reps, lab::kInputSets, [&](int i) {
         cuda::gate_to_twell(device.x[i].get(), rows, device.weights, 128, 4, packed);
       });
       cuda::gate_to_twell(device.x[0].get(), rows, device.weights, 128, 4, packed);
       const TimingStats ffn_t =
-          lab::time_calls(reps, kInputSets, [&](int) { cuda::ffn_from_twell(device.x[0].get(), packed, device.weights, y); });
-      const TimingStats twell_t = lab::time_calls(reps, kInputSets, [&](int i) {
+          lab::time_calls(reps, lab::kInputSets, [&](int) { cuda::ffn_from_twell(device.x[0].get(), packed, device.weights, y); });
+      const TimingStats twell_t = lab::time_calls(reps, lab::kInputSets, [&](int i) {
         cuda::gate_to_twell(device.x[i].get(), rows, device.weights, 128, 4, packed);
         cuda::ffn_from_twell(device.x[i].get(), packed, device.weights, y);
       });
@@ -171,7 +155,7 @@ void bench(const std::vector<int64_t>& row_counts, int32_t d, int32_t h, const s
       const int64_t twell_bytes = packed.slot_capacity * 4 + packed.tile_capacity * 4 + packed.spill_capacity * 128 * 2;
 
       cuda::SparseFfn auto_ffn;
-      const TimingStats auto_t = lab::time_calls(reps, kInputSets, [&](int i) { auto_ffn.run(device.x[i].get(), rows, device.weights, y); });
+      const TimingStats auto_t = lab::time_calls(reps, lab::kInputSets, [&](int i) { auto_ffn.run(device.x[i].get(), rows, device.weights, y); });
       auto_ffn.run(device.x[0].get(), rows, device.weights, y);
       const double auto_err = error_on_rows(ref, y, d);
 
@@ -190,7 +174,7 @@ void bench(const std::vector<int64_t>& row_counts, int32_t d, int32_t h, const s
         r.peak_bytes = bytes;
         r.extra = {{"speedup_vs_dense", dense_t.median_ms / t.median_ms},
                    {"reference_rows", static_cast<int>(ref.rows.size())},
-                   {"input_sets", kInputSets},
+                   {"input_sets", lab::kInputSets},
                    {"tile", 128},
                    {"compression", 4}};
         return r;
