@@ -10,6 +10,7 @@
 
 #include "commands.h"
 #include "progress.h"
+#include "text_samples.h"
 #include "twell/cpu.h"
 #include "twell/error.h"
 #include "twell/model.h"
@@ -77,19 +78,13 @@ std::string svg_plot(const std::vector<LayerCounts>& layers, int32_t d_hidden, c
 }
 
 void run_stats(const StatsOptions& options) {
-  TWELL_REQUIRE(options.window >= 1, "--window must be >= 1, got {}", options.window);
   cpu::set_num_threads(options.threads);
-  std::ifstream stream(options.text_file, std::ios::binary);
-  TWELL_REQUIRE(stream.good(), "cannot read '{}'", options.text_file);
-  std::stringstream text;
-  text << stream.rdbuf();
-
   Model model = Model::load(options.model_dir);
-  std::unique_ptr<Tokenizer> tokenizer = load_tokenizer(options.model_dir);
+  const std::unique_ptr<Tokenizer> tokenizer = load_tokenizer(options.model_dir);
   const ModelConfig& config = model.config();
-  std::vector<int32_t> tokens = tokenizer->encode(text.str());
-  if (static_cast<int32_t>(tokens.size()) > options.max_tokens) tokens.resize(options.max_tokens);
-  TWELL_REQUIRE(!tokens.empty(), "'{}' has no tokens", options.text_file);
+  const std::vector<int32_t> tokens = text_tokens(*tokenizer, options.text_file, options.max_tokens);
+  const int32_t bos = tokenizer->bos_token();
+  const int32_t window = window_span(config, options.window, bos);
 
   std::vector<LayerCounts> layers(config.n_layers);
   for (LayerCounts& layer : layers) layer.active_per_neuron.assign(config.d_hidden, 0);
@@ -109,9 +104,7 @@ void run_stats(const StatsOptions& options) {
   });
 
   // Windows of `window` tokens, each with a fresh context (BOS in front when the tokenizer has one).
-  const int32_t bos = tokenizer->bos_token();
   std::vector<float> logits(config.vocab_size);
-  const int32_t window = std::min(options.window, config.max_positions - 1);
   {
     Progress progress("twell stats", static_cast<int64_t>(tokens.size()), "tokens");
     for (size_t start = 0; start < tokens.size(); start += window) {

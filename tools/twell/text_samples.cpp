@@ -6,25 +6,34 @@
 
 #include "progress.h"
 #include "twell/error.h"
-#include "twell/tokenizer.h"
 
 namespace twell::cli {
 
-TextSamples text_ffn_inputs(Model& model, const std::string& model_dir, const std::string& text_file,
-                            int32_t max_tokens, int32_t window) {
-  TWELL_REQUIRE(window >= 1, "--window must be >= 1, got {}", window);
+std::vector<int32_t> text_tokens(const Tokenizer& tokenizer, const std::string& text_file, int32_t max_tokens) {
   TWELL_REQUIRE(max_tokens >= 1, "--max-tokens must be >= 1, got {}", max_tokens);
   std::ifstream stream(text_file, std::ios::binary);
   TWELL_REQUIRE(stream.good(), "cannot read '{}'", text_file);
   std::stringstream text;
   text << stream.rdbuf();
-  std::unique_ptr<Tokenizer> tokenizer = load_tokenizer(model_dir);
-  std::vector<int32_t> tokens = tokenizer->encode(text.str());
+  std::vector<int32_t> tokens = tokenizer.encode(text.str());
   if (static_cast<int32_t>(tokens.size()) > max_tokens) tokens.resize(max_tokens);
   TWELL_REQUIRE(!tokens.empty(), "'{}' has no tokens", text_file);
+  return tokens;
+}
+
+int32_t window_span(const ModelConfig& config, int32_t window, int32_t bos) {
+  TWELL_REQUIRE(window >= 1, "--window must be >= 1, got {}", window);
+  const int32_t span = std::min(window, config.max_positions - (bos >= 0 ? 1 : 0));
+  TWELL_REQUIRE(span >= 1, "max_position_embeddings = {} leaves no room for a window", config.max_positions);
+  return span;
+}
+
+TextSamples text_ffn_inputs(Model& model, const std::string& model_dir, const std::string& text_file,
+                            int32_t max_tokens, int32_t window) {
+  const std::unique_ptr<Tokenizer> tokenizer = load_tokenizer(model_dir);
+  const std::vector<int32_t> tokens = text_tokens(*tokenizer, text_file, max_tokens);
   const int32_t bos = tokenizer->bos_token();
-  const int32_t span = std::min(window, model.config().max_positions - (bos >= 0 ? 1 : 0));
-  TWELL_REQUIRE(span >= 1, "max_position_embeddings = {} leaves no room for a window", model.config().max_positions);
+  const int32_t span = window_span(model.config(), window, bos);
 
   TextSamples samples;
   samples.ffn_inputs.resize(model.config().n_layers);
