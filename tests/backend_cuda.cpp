@@ -12,6 +12,7 @@
 
 #include <gtest/gtest.h>
 
+#include "cuda_test_support.h"
 #include "op_harness.h"
 #include "twell/bench_record.h"
 #include "twell/convert.h"
@@ -106,32 +107,9 @@ const bool registered = test::register_backend({
 
 // ---- Tests beyond the harness ----
 
-class CudaFfn : public testing::Test {
- protected:
-  void SetUp() override {
-    if (!cuda::available()) GTEST_SKIP() << "no CUDA device is available";
-  }
-};
+class CudaFfn : public test::CudaTest<> {};
 
-struct Prepared {
-  Workload work;
-  cuda::DeviceFfnWeights weights;
-  cuda::DeviceArray<bf16> x;
-  std::vector<double> y_ref;  // [M, D] float64
-};
-
-Prepared prepare(const WorkloadSpec& spec) {
-  Prepared p{make_workload(spec), {}, {}, {}};
-  p.weights = cuda::upload_weights(p.work.weights);
-  p.x = cuda::upload_bf16(p.work.x.data(), p.work.x.size());
-  p.y_ref = ref::ffn_dense(p.work.x.data(), spec.rows, p.work.weights);
-  return p;
-}
-
-double error_of(const Prepared& p, const cuda::DeviceArray<bf16>& y) {
-  const std::vector<float> host = cuda::download_bf16(y.get(), p.y_ref.size());
-  return relative_l2_error(host.data(), p.y_ref.data(), host.size());
-}
+using test::error_of;
 
 // The packing of a dense matrix of the gate, for comparing packings that may order spill rows differently.
 std::vector<bf16> unpacked(const TwellMatrix& packed) {
@@ -156,7 +134,7 @@ TEST_F(CudaFfn, SpillGrowsUntilThePackingIsCompleteAndMatchesTheReference) {
   for (int32_t tile : {128, 256}) {
     SCOPED_TRACE(testing::Message() << "T=" << tile);
     const WorkloadSpec spec{.rows = 37, .d_model = 128, .d_hidden = 1000, .density = 1.0, .seed = 11};
-    const Prepared p = prepare(spec);
+    const test::WorkloadOnDevice p = test::upload_workload(spec);
     cuda::DeviceTwell packed;
     cuda::gate_to_twell(p.x.get(), spec.rows, p.weights, tile, 8, packed);
     EXPECT_GT(cuda::spill_rows_used(packed), packed.spill_capacity) << "the first packing should overflow";
@@ -200,7 +178,7 @@ TEST_F(CudaFfn, GateKernelPacksHundredsOfTilesExactly) {
 
 TEST_F(CudaFfn, TilesLostToASmallSpillAreRecomputedByTheConsumer) {
   const WorkloadSpec spec{.rows = 19, .d_model = 256, .d_hidden = 700, .density = 0.6, .seed = 12};
-  const Prepared p = prepare(spec);
+  const test::WorkloadOnDevice p = test::upload_workload(spec);
   cuda::DeviceTwell packed;
   cuda::gate_to_twell(p.x.get(), spec.rows, p.weights, 128, 8, packed);
   ASSERT_GT(cuda::spill_rows_used(packed), packed.spill_capacity) << "this case must lose spill rows";
@@ -216,7 +194,7 @@ TEST_F(CudaFfn, SparseErrorIsWithinTenPercentOfDenseBf16Error) {
       SCOPED_TRACE(testing::Message() << "gated=" << gated << " density=" << density);
       const WorkloadSpec spec{.rows = 67, .d_model = 512, .d_hidden = 1500, .density = density, .gated = gated,
                               .seed = 13};
-      const Prepared p = prepare(spec);
+      const test::WorkloadOnDevice p = test::upload_workload(spec);
       const cuda::DeviceArray<bf16> y_dense = poisoned_y(spec.rows, spec.d_model);
       cuda::DenseFfn dense;
       dense.run(p.x.get(), spec.rows, p.weights, y_dense.get());
@@ -232,7 +210,7 @@ TEST_F(CudaFfn, SparseErrorIsWithinTenPercentOfDenseBf16Error) {
 
 TEST_F(CudaFfn, DispatchingFfnIsRightOnEveryPath) {
   const WorkloadSpec spec{.rows = 45, .d_model = 256, .d_hidden = 1000, .density = 0.05, .seed = 14};
-  const Prepared p = prepare(spec);
+  const test::WorkloadOnDevice p = test::upload_workload(spec);
   cuda::SparseFfn ffn;
   bool saw_dense = false, saw_twell = false;
   for (int call = 0; call < 5; ++call) {
@@ -253,7 +231,7 @@ TEST_F(CudaFfn, RejectsBadArguments) {
   odd.down.assign(400, 0.5f);
   EXPECT_THROW(cuda::upload_weights(odd), Error);
   const WorkloadSpec spec{.rows = 2, .d_model = 64, .d_hidden = 130, .density = 0.1, .seed = 15};
-  const Prepared p = prepare(spec);
+  const test::WorkloadOnDevice p = test::upload_workload(spec);
   cuda::DeviceTwell packed;
   EXPECT_THROW(cuda::gate_to_twell(p.x.get(), spec.rows, p.weights, 64, 4, packed), Error);
   EXPECT_THROW(cuda::gate_to_twell(p.x.get(), spec.rows, p.weights, 128, 3, packed), Error);

@@ -7,6 +7,7 @@
 
 #include <gtest/gtest.h>
 
+#include "cuda_test_support.h"
 #include "twell/bench_record.h"
 #include "twell/cuda.h"
 #include "twell/error.h"
@@ -17,40 +18,17 @@ namespace {
 
 using namespace twell;
 
-class CudaFfnFromTwell : public testing::Test {
- protected:
-  void SetUp() override {
-    if (!cuda::available()) GTEST_SKIP() << "no CUDA device is available";
-  }
-};
+class CudaFfnFromTwell : public test::CudaTest<> {};
 
-// Workload on the device (D here is always a multiple of 64) and its float64 y [M, D].
-struct OnDevice {
-  Workload work;
-  cuda::DeviceFfnWeights weights;
-  cuda::DeviceArray<bf16> x;
-  std::vector<double> y_ref;
-};
-
-OnDevice on_device(const WorkloadSpec& spec) {
-  OnDevice d{make_workload(spec), {}, {}, {}};
-  d.weights = cuda::upload_weights(d.work.weights);
-  d.x = cuda::upload_bf16(d.work.x.data(), d.work.x.size());
-  d.y_ref = ref::ffn_dense(d.work.x.data(), spec.rows, d.work.weights);
-  return d;
-}
+using test::error_of;
 
 // y of ffn_from_twell, written over bf16 NaN.
-std::vector<float> sparse_y(const OnDevice& d, const cuda::DeviceTwell& packed) {
+std::vector<float> sparse_y(const test::WorkloadOnDevice& d, const cuda::DeviceTwell& packed) {
   const size_t count = d.work.x.size();
   const cuda::DeviceArray<bf16> y = cuda::make_device_array<bf16>(count);
   EXPECT_EQ(cudaMemset(y.get(), 0xff, count * sizeof(bf16)), cudaSuccess);
   cuda::ffn_from_twell(d.x.get(), packed, d.weights, y.get());
   return cuda::download_bf16(y.get(), count);
-}
-
-double error_of(const OnDevice& d, const std::vector<float>& y) {
-  return relative_l2_error(y.data(), d.y_ref.data(), y.size());
 }
 
 TEST_F(CudaFfnFromTwell, LongRowsManyTileWindowsAndLostTiles) {
@@ -60,7 +38,7 @@ TEST_F(CudaFfnFromTwell, LongRowsManyTileWindowsAndLostTiles) {
   for (bool gated : {true, false}) {
     SCOPED_TRACE(testing::Message() << "gated=" << gated);
     const WorkloadSpec spec{.rows = 5, .d_model = 64, .d_hidden = 65536, .density = 0.3, .gated = gated, .seed = 21};
-    const OnDevice d = on_device(spec);
+    const test::WorkloadOnDevice d = test::upload_workload(spec);
     cuda::DeviceTwell packed;
     cuda::gate_to_twell(d.x.get(), spec.rows, d.weights, 128, 8, packed);
     ASSERT_GT(cuda::spill_rows_used(packed), packed.spill_capacity) << "this case must lose spill rows";
@@ -74,7 +52,7 @@ TEST_F(CudaFfnFromTwell, LongRowsManyTileWindowsAndLostTiles) {
 
 TEST_F(CudaFfnFromTwell, WidestModelOneVectorPerThread) {
   const WorkloadSpec spec{.rows = 3, .d_model = 8192, .d_hidden = 300, .density = 0.1, .seed = 22};
-  const OnDevice d = on_device(spec);
+  const test::WorkloadOnDevice d = test::upload_workload(spec);
   cuda::DeviceTwell packed;
   cuda::gate_to_twell_complete(d.x.get(), spec.rows, d.weights, 128, 4, packed);
   EXPECT_LT(error_of(d, sparse_y(d, packed)), 1e-2);
@@ -84,7 +62,7 @@ TEST_F(CudaFfnFromTwell, HotNeuronsWithinDenseErrorAndBitIdenticalAcrossCalls) {
   // 40 neurons active for almost every token, the rest at 2%: the skew of real models.
   const WorkloadSpec spec{.rows = 300, .d_model = 256, .d_hidden = 4097, .density = 0.02, .hot_neurons = 40,
                           .seed = 23};
-  const OnDevice d = on_device(spec);
+  const test::WorkloadOnDevice d = test::upload_workload(spec);
   cuda::DeviceTwell packed;
   cuda::gate_to_twell_complete(d.x.get(), spec.rows, d.weights, 256, 8, packed);
   const std::vector<float> first = sparse_y(d, packed), second = sparse_y(d, packed);

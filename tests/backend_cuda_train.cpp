@@ -9,6 +9,7 @@
 
 #include <gtest/gtest.h>
 
+#include "cuda_test_support.h"
 #include "op_harness.h"
 #include "twell/convert.h"
 #include "twell/cuda.h"
@@ -185,12 +186,8 @@ void expect_matches(const Reference& ref, const std::vector<float>& y, const std
   EXPECT_NEAR(stats.l0, ref.forward.l0, 1e-9 * (1 + ref.forward.l0));
 }
 
-class CudaTrainTest : public testing::TestWithParam<TrainCase> {
+class CudaTrainTest : public test::CudaTest<testing::TestWithParam<TrainCase>> {
  protected:
-  void SetUp() override {
-    if (!cuda::available()) GTEST_SKIP() << "no CUDA device";
-  }
-
   Workload workload() const {
     const TrainCase& c = GetParam();
     return make_workload({.rows = c.rows, .d_model = c.d_model, .d_hidden = c.d_hidden, .density = c.density,

@@ -5,6 +5,7 @@
 
 #include <cmath>
 
+#include "cuda_test_support.h"
 #include "model_fixtures.h"
 #include "twell/cuda.h"
 #include "twell/error.h"
@@ -39,19 +40,9 @@ std::vector<int32_t> greedy_tokens(cuda::CudaModel& gpu, const std::vector<int32
   return tokens;
 }
 
-class CudaModelTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    if (!cuda::available()) GTEST_SKIP() << "no CUDA device";
-  }
-};
+class CudaModelTest : public test::CudaTest<> {};
 
-class CudaGolden : public ::testing::TestWithParam<std::string> {
- protected:
-  void SetUp() override {
-    if (!cuda::available()) GTEST_SKIP() << "no CUDA device";
-  }
-};
+class CudaGolden : public test::CudaTest<::testing::TestWithParam<std::string>> {};
 
 // Every prompt position's logits (prefill through the batched attention GEMMs, then one position at
 // a time through the decode attention kernel), and HF's greedy continuation: the fixtures' smallest
