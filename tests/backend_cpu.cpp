@@ -25,6 +25,12 @@ FfnBackend cpu_backend(cpu::Isa isa) {
     cpu::set_isa(isa);
     cpu::ffn_from_twell(x, gate, weights, y);
   };
+  backend.decode_ffn = [isa](const float* x, int64_t rows, const FfnWeights& weights, const SignBits& signs,
+                             const PredictorConfig& predictor, float* y, const DecodeOptions& options) {
+    cpu::set_isa(isa);
+    cpu::DecodeScratch scratch;
+    return cpu::decode_ffn(x, rows, weights, signs, predictor, y, scratch, options);
+  };
   // The dense baseline is OpenBLAS whatever the ISA setting: tested once, with the scalar backend.
   if (isa == cpu::Isa::scalar)
     backend.ffn_dense = [](const float* x, int64_t rows, const FfnWeights& weights, float* y) {

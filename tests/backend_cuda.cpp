@@ -17,6 +17,7 @@
 #include "twell/bench_record.h"
 #include "twell/convert.h"
 #include "twell/cuda.h"
+#include "twell/decode_cuda.h"
 #include "twell/error.h"
 #include "twell/reference.h"
 #include "twell/workload.h"
@@ -103,6 +104,21 @@ const bool registered = test::register_backend({
           dense.run(device_x.get(), rows, device_weights, device_y.get());
           download_y(device_y.get(), rows, weights.d_model, y);
         },
+    // Not padded like the ops above: zero columns would change the sign-bit predictions.
+    .decode_ffn =
+        [](const float* x, int64_t rows, const FfnWeights& weights, const SignBits& signs,
+           const PredictorConfig& predictor, float* y, const DecodeOptions& options) {
+          const size_t count = static_cast<size_t>(rows) * weights.d_model;
+          const cuda::DeviceFfnWeights device_weights = cuda::upload_weights(weights);
+          cuda::DecodeLayer layer(device_weights, signs);
+          const cuda::DeviceArray<bf16> device_x = cuda::upload_bf16(x, count);
+          const cuda::DeviceArray<float> device_y = cuda::make_device_array<float>(count);
+          cuda::copy_to_device(device_y.get(), y, count * sizeof(float));  // y arrives poisoned
+          layer.run(device_x.get(), rows, predictor, device_y.get(), nullptr, options);
+          cuda::copy_to_host(y, device_y.get(), count * sizeof(float));
+          return layer.stats(nullptr);
+        },
+    .decode_d_multiple = 64,  // cuda::upload_weights' rule
 });
 
 // ---- Tests beyond the harness ----

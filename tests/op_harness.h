@@ -25,7 +25,7 @@
 //
 // Adding an op: (1) an `XxxOp` alias and a field in FfnBackend, (2) its cases and a TEST_P in a
 // tests/op_<area>.cpp using OpTest and backend_cases(&FfnBackend::xxx, cases), (3) fill the field
-// in each backend file that implements it. The decode predictor ops (sign bits) go this way.
+// in each backend file that implements it.
 #pragma once
 
 #include <cstdint>
@@ -36,6 +36,7 @@
 
 #include <gtest/gtest.h>
 
+#include "twell/decode.h"
 #include "twell/host_tensors.h"
 #include "twell/workload.h"
 
@@ -66,6 +67,11 @@ struct GradOutputs {
 };
 using HybridBackwardOp = std::function<void(const float* x, const HybridMatrix& gate, const FfnWeights& weights,
                                             const float* dy, double l1_coeff, const GradOutputs& grads)>;
+// Decode FFN (include/twell/decode.h): y [M, D] through the predictor's active set of the packed
+// signs; returns the counts. `y` arrives poisoned. The cases live in tests/test_decode.cpp.
+using DecodeFfnOp = std::function<DecodeStats(const float* x, int64_t rows, const FfnWeights& weights,
+                                              const SignBits& signs, const PredictorConfig& predictor, float* y,
+                                              const DecodeOptions& options)>;
 
 // What a backend rounds beyond fp32 accumulation. The harness replays a naive computation with the
 // same roundings; its error against float64 sets the tolerance (derived_tolerance below).
@@ -84,6 +90,8 @@ struct FfnBackend {
   TwellToHybridOp twell_to_hybrid;
   HybridForwardOp hybrid_forward;
   HybridBackwardOp hybrid_backward;
+  DecodeFfnOp decode_ffn;
+  int32_t decode_d_multiple = 1;  // decode_ffn takes D a multiple of this only (its signs are not padded)
 };
 
 // Returns true so that it can initialise a namespace-scope constant. Throws on a duplicate name.

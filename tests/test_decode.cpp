@@ -1,7 +1,8 @@
-// The decode path (include/twell/decode.h) on every backend present: the sign-bit packing it reads,
-// the predictor scores against the reference predictors, and the decode FFN against the float64
-// reference (ref::ffn_dense when nothing is skipped, ref::decode_ffn with the same prediction when
-// the predictor drops neurons). CPU: every ISA this machine has. CUDA: skipped without a GPU.
+// The decode path (include/twell/decode.h) on every op-harness backend with a decode_ffn
+// (tests/backend_*.cpp): the sign-bit packing it reads, the predictor scores against the reference
+// predictors, and the decode FFN against the float64 reference (ref::ffn_dense when nothing is
+// skipped, ref::decode_ffn with the same prediction when the predictor drops neurons). CPU: every
+// ISA this machine has. CUDA: skipped without a GPU.
 #include <algorithm>
 #include <cmath>
 #include <functional>
@@ -17,10 +18,6 @@
 #include "twell/error.h"
 #include "twell/reference.h"
 #include "twell/workload.h"
-#if defined(TWELL_HAVE_CUDA)
-#include "twell/cuda.h"
-#include "twell/decode_cuda.h"
-#endif
 
 namespace twell {
 namespace {
@@ -29,78 +26,9 @@ namespace {
 constexpr double kFp32Tolerance = 2e-5;
 constexpr double kHugeSetting = 1e30;  // alpha or margin so large that every neuron is predicted active
 
-// ---- Backends -----------------------------------------------------------------------------------
-
-using DecodeFn = std::function<DecodeStats(const float* x, int64_t rows, const FfnWeights& weights,
-                                           const SignBits& signs, const PredictorConfig& predictor, float* y,
-                                           const DecodeOptions& options)>;
-struct DecodeBackend {
-  std::string name;
-  std::function<std::string()> skip_reason;  // "" when it can run here
-  DecodeFn decode;
-  int32_t d_multiple = 1;  // D must be a multiple of this
-};
-
-DecodeBackend cpu_backend(cpu::Isa isa) {
-  return {"cpu_" + cpu::to_string(isa),
-          [isa] {
-            try {
-              cpu::Isa previous = cpu::active_isa();
-              cpu::set_isa(isa);
-              cpu::set_isa(previous);
-              return std::string();
-            } catch (const Error&) {
-              return "this CPU has no " + cpu::to_string(isa);
-            }
-          },
-          [isa](const float* x, int64_t rows, const FfnWeights& weights, const SignBits& signs,
-                const PredictorConfig& predictor, float* y, const DecodeOptions& options) {
-            cpu::Isa previous = cpu::active_isa();
-            cpu::set_isa(isa);
-            cpu::DecodeScratch scratch;
-            DecodeStats stats = cpu::decode_ffn(x, rows, weights, signs, predictor, y, scratch, options);
-            cpu::set_isa(previous);
-            return stats;
-          }};
-}
-
-#if defined(TWELL_HAVE_CUDA)
-DecodeBackend cuda_backend() {
-  return {"cuda", [] { return cuda::available() ? std::string() : std::string("no CUDA GPU here"); },
-          [](const float* x, int64_t rows, const FfnWeights& weights, const SignBits& signs,
-             const PredictorConfig& predictor, float* y, const DecodeOptions& options) {
-            const int32_t cols = weights.d_model;
-            cuda::DeviceFfnWeights device_weights = cuda::upload_weights(weights);
-            cuda::DecodeLayer layer(device_weights, signs);
-            cuda::DeviceArray<bf16> x_device = cuda::upload_bf16(x, static_cast<size_t>(rows) * cols);
-            cuda::DeviceArray<float> y_device = cuda::make_device_array<float>(static_cast<size_t>(rows) * cols);
-            std::vector<float> poison(static_cast<size_t>(rows) * cols, std::numeric_limits<float>::quiet_NaN());
-            cuda::copy_to_device(y_device.get(), poison.data(), poison.size() * sizeof(float));
-            layer.run(x_device.get(), rows, predictor, y_device.get(), nullptr, options);
-            cuda::copy_to_host(y, y_device.get(), poison.size() * sizeof(float));
-            return layer.stats(nullptr);
-          },
-          /*d_multiple=*/64};  // cuda::upload_weights' rule
-}
-#endif
-
-std::vector<DecodeBackend> decode_backends() {
-  std::vector<DecodeBackend> backends = {cpu_backend(cpu::Isa::scalar), cpu_backend(cpu::Isa::avx2),
-                                         cpu_backend(cpu::Isa::avx512)};
-#if defined(TWELL_HAVE_CUDA)
-  backends.push_back(cuda_backend());
-#endif
-  return backends;
-}
-
 // ---- Cases --------------------------------------------------------------------------------------
 
-struct DecodeCase {
-  std::string backend;
-  test::OpCase shape;
-};
-
-std::vector<DecodeCase> decode_cases() {
+std::vector<test::BackendCase> decode_cases() {
   // Odd D and H (partial sign words, D not a multiple of 16), M from 1 to the fused limit, both FFN
   // kinds, a skewed case, and the benchmark's shape at M = 1.
   std::vector<test::OpCase> shapes;
@@ -124,33 +52,21 @@ std::vector<DecodeCase> decode_cases() {
   add(1, 2048, 5632, 0.005, true, 0, 7);
   add(5, 192, 333, 0.1, false, 0, 8);
   add(9, 128, 1001, 0.03, true, 1, 9);
-  std::vector<DecodeCase> cases;
-  for (const DecodeBackend& backend : decode_backends())
-    for (const test::OpCase& shape : shapes)
-      if (shape.d_model % backend.d_multiple == 0) cases.push_back({backend.name, shape});
+  std::vector<test::BackendCase> cases;
+  for (const test::BackendCase& pair : test::backend_cases(&test::FfnBackend::decode_ffn, shapes))
+    if (pair.op_case.d_model % test::find_backend(pair.backend).decode_d_multiple == 0) cases.push_back(pair);
   return cases;
 }
 
-std::string decode_case_name(const testing::TestParamInfo<DecodeCase>& info) {
-  return info.param.backend + "_" + info.param.shape.name();
-}
-
-const DecodeBackend& find_decode_backend(const std::string& name) {
-  static const std::vector<DecodeBackend> backends = decode_backends();
-  for (const DecodeBackend& backend : backends)
-    if (backend.name == name) return backend;
-  fail("no decode backend named '{}'", name);
-}
-
-class DecodeTest : public testing::TestWithParam<DecodeCase> {
+// The harness's backends (tests/backend_*.cpp) that implement decode_ffn.
+class DecodeTest : public test::OpTest {
  protected:
   void SetUp() override {
-    std::string reason = backend().skip_reason();
-    if (!reason.empty()) GTEST_SKIP() << reason;
-    work_ = make_workload(GetParam().shape.workload_spec());
+    test::OpTest::SetUp();
+    if (IsSkipped()) return;
+    work_ = make_workload(op_case().workload_spec());
     signs_ = pack_sign_bits(work_.weights.relu_projection().data(), work_.weights.d_hidden, work_.weights.d_model);
   }
-  const DecodeBackend& backend() const { return find_decode_backend(GetParam().backend); }
   // The normalized one-bit and two-bit gates have no CUDA kernel yet.
   bool backend_runs(PredictorKind kind) const {
     return GetParam().backend != "cuda" || kind == PredictorKind::sign_rule || kind == PredictorKind::one_bit_gate;
@@ -161,7 +77,7 @@ class DecodeTest : public testing::TestWithParam<DecodeCase> {
   // Runs the backend into a NaN-poisoned y.
   DecodeStats decode(const PredictorConfig& predictor, std::vector<float>& y, const DecodeOptions& options = {}) {
     test::poison(y, output_count());
-    return backend().decode(work_.x.data(), rows(), work_.weights, signs_, predictor, y.data(), options);
+    return backend().decode_ffn(work_.x.data(), rows(), work_.weights, signs_, predictor, y.data(), options);
   }
 
   int64_t reference_active_count() const {
@@ -260,7 +176,7 @@ void DecodeTest::expect_reference_prediction_at_a_gap(PredictorKind kind) {
   if (norm > 0) EXPECT_TRUE(test::near_relative_l2("y", y.data(), expected.data(), expected.size(), kFp32Tolerance));
 }
 
-INSTANTIATE_TEST_SUITE_P(Backends, DecodeTest, testing::ValuesIn(decode_cases()), decode_case_name);
+INSTANTIATE_TEST_SUITE_P(Backends, DecodeTest, testing::ValuesIn(decode_cases()), test::backend_case_name);
 
 // ---- CPU predictor scores against the reference (every ISA) ----------------------------------------
 
