@@ -19,59 +19,63 @@ namespace {
 
 // ---- CPU implementations ----
 
-// Times fn() on the clock the options name.
-template <typename Fn>
-double time_cpu_ms(bool thread_cpu_clock, Fn&& fn) {
-  return thread_cpu_clock ? thread_cpu_ms(fn) : wall_ms(fn);
-}
-
-// The baseline: three OpenBLAS products (two when non-gated) on every core.
-class CpuDense final : public FfnBenchImpl {
+// What both CPU implementations hold: the workload and input sets of the current (M, density), y,
+// and the clock the options name.
+class CpuFfnBench : public FfnBenchImpl {
  public:
-  explicit CpuDense(bool thread_cpu_clock) : thread_cpu_clock_(thread_cpu_clock) {}
-  std::string name() const override { return "dense"; }
+  explicit CpuFfnBench(bool thread_cpu_clock) : thread_cpu_clock_(thread_cpu_clock) {}
   void prepare(const Workload& work, const std::vector<std::vector<float>>& inputs) override {
     work_ = &work;
     inputs_ = &inputs;
     y_.assign(work.x.size(), 0.0f);
   }
-  double run_ms(int input) override {
-    const float* x = (*inputs_)[input].data();
-    return time_cpu_ms(thread_cpu_clock_,
-                       [&] { cpu::ffn_dense(x, work_->spec.rows, work_->weights, y_.data(), scratch_); });
-  }
   std::vector<float> output() override { return y_; }
+
+ protected:
+  // Times fn(x) with x = input set `input`, on the clock the options name.
+  template <typename Fn>
+  double time_ms(int input, Fn&& fn) {
+    const float* x = (*inputs_)[input].data();
+    return thread_cpu_clock_ ? thread_cpu_ms([&] { fn(x); }) : wall_ms([&] { fn(x); });
+  }
+
+  const Workload* work_ = nullptr;
+  std::vector<float> y_;  // [M, D]
+
+ private:
+  bool thread_cpu_clock_;
+  const std::vector<std::vector<float>>* inputs_ = nullptr;
+};
+
+// The baseline: three OpenBLAS products (two when non-gated) on every core.
+class CpuDense final : public CpuFfnBench {
+ public:
+  using CpuFfnBench::CpuFfnBench;
+  std::string name() const override { return "dense"; }
+  double run_ms(int input) override {
+    return time_ms(input,
+                   [&](const float* x) { cpu::ffn_dense(x, work_->spec.rows, work_->weights, y_.data(), scratch_); });
+  }
   int64_t peak_bytes() const override {
     return static_cast<int64_t>((scratch_.gate.capacity() + scratch_.up.capacity()) * sizeof(float));
   }
 
  private:
-  bool thread_cpu_clock_;
-  const Workload* work_ = nullptr;
-  const std::vector<std::vector<float>>* inputs_ = nullptr;
-  std::vector<float> y_;  // [M, D]
   cpu::DenseScratch scratch_;
 };
 
 // gate GEMM + relu + TwELL packing, then up and down only at the non-zero gates.
-class CpuTwell final : public FfnBenchImpl {
+class CpuTwell final : public CpuFfnBench {
  public:
   CpuTwell(int32_t tile, int32_t compression, bool thread_cpu_clock)
-      : tile_(tile), compression_(compression), thread_cpu_clock_(thread_cpu_clock) {}
+      : CpuFfnBench(thread_cpu_clock), tile_(tile), compression_(compression) {}
   std::string name() const override { return "twell"; }
-  void prepare(const Workload& work, const std::vector<std::vector<float>>& inputs) override {
-    work_ = &work;
-    inputs_ = &inputs;
-    y_.assign(work.x.size(), 0.0f);
-  }
   double run_ms(int input) override {
-    const float* x = (*inputs_)[input].data();
-    return time_cpu_ms(thread_cpu_clock_, [&] {
+    return time_ms(input, [&](const float* x) {
       cpu::gate_to_twell(x, work_->spec.rows, work_->weights, tile_, compression_, gate_);
       cpu::ffn_from_twell(x, gate_, work_->weights, y_.data());
     });
   }
-  std::vector<float> output() override { return y_; }
   int64_t peak_bytes() const override {
     return static_cast<int64_t>(gate_.slots.capacity() * sizeof(TwellSlot) +
                                 gate_.tile_nnz.capacity() * sizeof(int32_t) + gate_.spill.capacity() * sizeof(bf16));
@@ -79,11 +83,7 @@ class CpuTwell final : public FfnBenchImpl {
 
  private:
   int32_t tile_, compression_;
-  bool thread_cpu_clock_;
-  const Workload* work_ = nullptr;
-  const std::vector<std::vector<float>>* inputs_ = nullptr;
-  std::vector<float> y_;  // [M, D]
-  TwellMatrix gate_;      // reused across calls, as an inference loop would
+  TwellMatrix gate_;  // reused across calls, as an inference loop would
 };
 
 cpu::Isa parse_isa(const std::string& name) {
