@@ -63,6 +63,19 @@ TEST(Workload, SeedsReproduceAndDiffer) {
   EXPECT_NE(make_activations(5, 64, 7), make_activations(5, 64, 8));
 }
 
+TEST(Workload, RotatedInputsStartWithTheWorkloadsOwnX) {
+  const Workload work = make_workload({.rows = 3, .d_model = 96, .d_hidden = 300, .seed = 42});
+  const std::vector<std::vector<float>> inputs = rotated_inputs(work, 3);
+  ASSERT_EQ(inputs.size(), 3u);
+  EXPECT_EQ(inputs[0], work.x);
+  for (int i = 1; i < 3; ++i) {
+    EXPECT_EQ(inputs[i], make_activations(3, 96, 42 + 1000 * i));
+    EXPECT_NE(inputs[i], inputs[i - 1]);
+  }
+  EXPECT_EQ(rotated_inputs(work, 1).size(), 1u);
+  EXPECT_THROW(rotated_inputs(work, 0), Error);
+}
+
 TEST(Workload, ShapesBiasColumnAndBf16Values) {
   for (bool gated : {true, false}) {
     const Workload work =

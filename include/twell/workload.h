@@ -34,6 +34,10 @@ struct Workload {
 Workload make_workload(const WorkloadSpec& spec);
 // Fresh activations for the same weights (benchmarks rotate several input sets).
 std::vector<float> make_activations(int64_t rows, int32_t d_model, uint64_t seed);
+// The `count` input sets a benchmark rotates so the cache does not hold x between calls, each
+// [M, D]: the workload's own x first (the one a reference checks), then make_activations with seeds
+// spec.seed + 1000·i.
+std::vector<std::vector<float>> rotated_inputs(const Workload& work, int count);
 // `count` values N(0, stddev²), each rounded to bf16, from the workload's generator.
 std::vector<float> make_normal(size_t count, double stddev, uint64_t seed);
 double gate_threshold_for_density(double density);

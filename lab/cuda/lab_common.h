@@ -42,15 +42,11 @@ inline std::vector<double> parse_list_double(const char* text) {
 // Inputs rotated over this many sets of x so the L2 cache does not hold them between calls.
 constexpr int kInputSets = 3;
 
-// kInputSets copies of x on the device ([M, D] each): the workload's own x first, then fresh
-// activations of the same shape.
+// The workload's kInputSets rotated inputs (twell/workload.h) on the device, [M, D] each.
 inline std::vector<cuda::DeviceArray<bf16>> upload_input_sets(const Workload& work) {
   std::vector<cuda::DeviceArray<bf16>> x;
-  x.push_back(cuda::upload_bf16(work.x.data(), work.x.size()));
-  for (int i = 1; i < kInputSets; ++i) {
-    const std::vector<float> more = make_activations(work.spec.rows, work.spec.d_model, work.spec.seed + 1000 * i);
-    x.push_back(cuda::upload_bf16(more.data(), more.size()));
-  }
+  for (const std::vector<float>& input : rotated_inputs(work, kInputSets))
+    x.push_back(cuda::upload_bf16(input.data(), input.size()));
   return x;
 }
 

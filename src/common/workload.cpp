@@ -59,6 +59,15 @@ std::vector<float> make_activations(int64_t rows, int32_t d_model, uint64_t seed
   return x;
 }
 
+std::vector<std::vector<float>> rotated_inputs(const Workload& work, int count) {
+  TWELL_REQUIRE(count >= 1, "input sets must be >= 1, got {}", count);
+  std::vector<std::vector<float>> inputs = {work.x};
+  for (int i = 1; i < count; ++i)
+    inputs.push_back(
+        make_activations(work.spec.rows, work.spec.d_model, work.spec.seed + 1000 * static_cast<uint64_t>(i)));
+  return inputs;
+}
+
 std::vector<float> make_normal(size_t count, double stddev, uint64_t seed) {
   Rng rng(seed * 0xd1342543de82ef95ull + 29);
   std::vector<float> values;

@@ -217,10 +217,7 @@ void run_ffn_bench(const FfnBenchOptions& options) {
       spec.gated = options.gated;
       spec.seed = options.seed;
       const Workload work = make_workload(spec);
-      // Input 0 is the workload's own x (the one the reference checks); the others rotate with it.
-      std::vector<std::vector<float>> inputs = {work.x};
-      for (int i = 1; i < options.input_sets; ++i)
-        inputs.push_back(make_activations(rows, options.d_model, options.seed + 1000 * static_cast<uint64_t>(i)));
+      const std::vector<std::vector<float>> inputs = rotated_inputs(work, options.input_sets);
       const WorkloadFacts facts = reference_facts(work, options.reference_rows);
 
       double dense_median_ms = 0;
