@@ -364,10 +364,10 @@ TEST(SignBitsFormat, WorkedExampleOfTheDocs) {
   EXPECT_FLOAT_EQ(packed.scale[0], 1.0428571f);
   EXPECT_FLOAT_EQ(packed.residual[0], 0.4203983f);
   EXPECT_EQ(packed.large, (std::vector<uint32_t>{0x00000002u, 0x00000002u}));
-  EXPECT_EQ(packed.large_negative, (std::vector<uint32_t>{0x00000000u, 0x00000002u}));
   EXPECT_FLOAT_EQ(packed.small_scale[0], 0.9545455f);
   EXPECT_FLOAT_EQ(packed.large_scale[0], 2.5f);
   EXPECT_FLOAT_EQ(packed.two_bit_residual[0], 0.2192075f);
+  EXPECT_EQ(packed.bytes(), 36);  // 2 planes x 2 words x 4 bytes + 5 floats
 }
 
 TEST(SignBitsFormat, RefusesNanAndBadShapes) {

@@ -24,10 +24,11 @@
 //   two-bit gate  the same normalized score with two bits per weight: W[j, k] ≈ sign·(large ?
 //                 large_scale_j : small_scale_j), large = |W[j, k]| above the row's 60% quantile of |W| (the
 //                 sign-bits format's second plane), divided by ||x||·two_bit_residual_j; predicted
-//                 active iff >= −margin. Twice the predictor's bits (three masked sums of x per
-//                 neuron on the CPU: the sign plane, the large plane and large AND negative), ~4x
+//                 active iff >= −margin. Twice the predictor's bits (on the CPU one pass over both
+//                 planes, three masked sums of x per neuron: sign, large, and large AND sign), ~4x
 //                 fewer kept neurons than one-bit-norm on a real model. CPU only so far.
-// Each is a per-layer setting, chosen by calibrate_predictor for a target recall.
+// Each is a per-layer setting, chosen by calibrate_predictor for a target recall. On the CPU every
+// predictor scores all M tokens of a step in one pass over each neuron's bit words.
 //
 // The CUDA decode FFN is in twell/decode_cuda.h.
 //

@@ -65,12 +65,18 @@ struct SignBits {
   std::vector<float> residual; // [R] rms of A[r, :] − scale[r]·sign(A[r, :])
   // The two-bit approximation: sign and whether |A| is among the row's largest (formats/sign_bits.h).
   std::vector<uint32_t> large;           // [R, ceil(K/32)] bit set iff |A[r, k]| > the row's 60% quantile |A|
-  std::vector<uint32_t> large_negative;  // [R, ceil(K/32)] large AND bits
   std::vector<float> small_scale;        // [R] mean |A[r, k]| over the elements not large
   std::vector<float> large_scale;        // [R] mean |A[r, k]| over the large elements (0 when none)
   std::vector<float> two_bit_residual;   // [R] rms of A[r, :] − its two-bit approximation
 
   int32_t words_per_row() const { return sign_words_per_row(cols); }
+  // Bytes held by the arrays above; sign_bits_bytes(rows, cols) when packed by pack_sign_bits.
+  int64_t bytes() const {
+    return static_cast<int64_t>(bits.size() + large.size()) * sizeof(uint32_t) +
+           static_cast<int64_t>(scale.size() + residual.size() + small_scale.size() + large_scale.size() +
+                                two_bit_residual.size()) *
+               sizeof(float);
+  }
 };
 
 }  // namespace twell

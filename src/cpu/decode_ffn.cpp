@@ -45,11 +45,10 @@ void require_signs_match(const SignBits& signs, int32_t hidden, int32_t cols) {
                 hidden, signs.scale.size());
   TWELL_REQUIRE(signs.residual.size() == static_cast<size_t>(hidden), "signs.residual must hold H = {} values, got {}",
                 hidden, signs.residual.size());
-  TWELL_REQUIRE(signs.large.size() == signs.bits.size() && signs.large_negative.size() == signs.bits.size() &&
-                    signs.small_scale.size() == static_cast<size_t>(hidden) &&
+  TWELL_REQUIRE(signs.large.size() == signs.bits.size() && signs.small_scale.size() == static_cast<size_t>(hidden) &&
                     signs.large_scale.size() == static_cast<size_t>(hidden) &&
                     signs.two_bit_residual.size() == static_cast<size_t>(hidden),
-                "signs must carry the two-bit planes and scales of pack_sign_bits (H = {})", hidden);
+                "signs must carry the two-bit plane and scales of pack_sign_bits (H = {})", hidden);
 }
 
 // x [M, D] -> x_padded [M, 32·words] (zeros past D), row sums and norms, and, when asked, its sign
@@ -75,101 +74,110 @@ void prepare_rows(const float* x, int64_t rows, int32_t cols, int32_t words, boo
       if (x[m * cols + k] < 0.0f) scratch.x_signs[m * words + k / kSignBitsPerWord] |= 1u << (k % kSignBitsPerWord);
 }
 
-// Scores the neurons of one row (the shared loops of the score functions and the decode FFN).
-// Holds only pointers into the prepared scratch: cheap to build wherever a row is scored.
-class RowPredictor {
+// Scores one neuron for a block of up to kDecodeMaxRows rows in one pass over its bit words (the
+// shared loops of the score functions and the decode FFN). Holds only pointers into the prepared
+// scratch: cheap to build wherever a block is scored.
+class BlockPredictor {
  public:
-  RowPredictor(const SignBits& signs, const DecodeScratch& scratch, int64_t row)
-      : signs_(signs), words_(signs.words_per_row()), kernels_(active_decode_kernels()) {
-    x_padded_ = scratch.x_padded.data() + row * words_ * kSignBitsPerWord;
-    if (!scratch.x_signs.empty()) x_signs_ = scratch.x_signs.data() + row * words_;
-    row_sum_ = scratch.row_sums[row];
-    row_norm_ = scratch.row_norms[row];
+  BlockPredictor(const SignBits& signs, const DecodeScratch& scratch, int64_t first_row, int32_t rows)
+      : signs_(signs), words_(signs.words_per_row()), rows_(rows), kernels_(active_decode_kernels()) {
+    x_padded_ = scratch.x_padded.data() + first_row * words_ * kSignBitsPerWord;
+    if (!scratch.x_signs.empty()) x_signs_ = scratch.x_signs.data() + first_row * words_;
+    row_sums_ = scratch.row_sums.data() + first_row;
+    row_norms_ = scratch.row_norms.data() + first_row;
   }
-  int32_t negative_count(int32_t neuron) const {
-    return kernels_.negative_count(x_signs_, neuron_bits(neuron), words_);
+  int32_t rows() const { return rows_; }
+  void negative_counts(int32_t neuron, int32_t* counts) const {
+    kernels_.negative_counts(x_signs_, rows_, neuron_bits(neuron), words_, counts);
   }
   // s = scale·(Σx − 2·Σ_{bit set} x) = scale·Σ x·sign(W).
-  float one_bit_gate(int32_t neuron) const {
-    return signs_.scale[neuron] * (row_sum_ - 2.0f * kernels_.negative_sum(x_padded_, neuron_bits(neuron), words_));
+  void one_bit_gate(int32_t neuron, float* scores) const {
+    float negative[kDecodeMaxRows];
+    kernels_.masked_sums(x_padded_, rows_, neuron_bits(neuron), nullptr, words_, negative);
+    for (int32_t m = 0; m < rows_; ++m) scores[m] = signs_.scale[neuron] * (row_sums_[m] - 2.0f * negative[m]);
   }
-  float normalized_one_bit_gate(int32_t neuron) const {
-    return normalized_score(one_bit_gate(neuron), signs_.residual[neuron], row_norm_);
+  void normalized_one_bit_gate(int32_t neuron, float* scores) const {
+    one_bit_gate(neuron, scores);
+    for (int32_t m = 0; m < rows_; ++m) scores[m] = normalized_score(scores[m], signs_.residual[neuron], row_norms_[m]);
   }
   // x·(sign·(small + (large − small)·L)) = small·(Σx − 2·Σ_neg x) + (large − small)·(Σ_L x − 2·Σ_{L∧neg} x).
-  float two_bit_gate(int32_t neuron) const {
-    const size_t offset = static_cast<size_t>(neuron) * words_;
+  void two_bit_gate(int32_t neuron, float* scores) const {
+    float sums[3 * kDecodeMaxRows];  // [plane][row]: sign, large, large AND sign
+    kernels_.masked_sums(x_padded_, rows_, neuron_bits(neuron),
+                         signs_.large.data() + static_cast<size_t>(neuron) * words_, words_, sums);
     const float small = signs_.small_scale[neuron], large = signs_.large_scale[neuron];
-    const float signed_sum = row_sum_ - 2.0f * kernels_.negative_sum(x_padded_, neuron_bits(neuron), words_);
-    const float large_signed_sum = kernels_.negative_sum(x_padded_, signs_.large.data() + offset, words_) -
-                                   2.0f * kernels_.negative_sum(x_padded_, signs_.large_negative.data() + offset, words_);
-    return normalized_score(small * signed_sum + (large - small) * large_signed_sum, signs_.two_bit_residual[neuron],
-                            row_norm_);
-  }
-  // Predicted active under `kind` with its integer (sign rule) or score (one-bit gates) threshold.
-  bool predicts_active(PredictorKind kind, int32_t neuron, int32_t max_negatives, float min_score) const {
-    switch (kind) {
-      case PredictorKind::sign_rule: return negative_count(neuron) <= max_negatives;
-      case PredictorKind::one_bit_gate: return one_bit_gate(neuron) >= min_score;
-      case PredictorKind::normalized_one_bit_gate: return normalized_one_bit_gate(neuron) >= min_score;
-      case PredictorKind::two_bit_gate: return two_bit_gate(neuron) >= min_score;
+    for (int32_t m = 0; m < rows_; ++m) {
+      const float signed_sum = row_sums_[m] - 2.0f * sums[m];
+      const float large_signed_sum = sums[rows_ + m] - 2.0f * sums[2 * rows_ + m];
+      scores[m] = normalized_score(small * signed_sum + (large - small) * large_signed_sum,
+                                   signs_.two_bit_residual[neuron], row_norms_[m]);
     }
-    return true;
+  }
+  // active[m]: row m predicted active under `kind` with its integer (sign rule) or score (gates) threshold.
+  void predict(PredictorKind kind, int32_t neuron, int32_t max_negatives, float min_score, bool* active) const {
+    if (kind == PredictorKind::sign_rule) {
+      int32_t counts[kDecodeMaxRows];
+      negative_counts(neuron, counts);
+      for (int32_t m = 0; m < rows_; ++m) active[m] = counts[m] <= max_negatives;
+      return;
+    }
+    float scores[kDecodeMaxRows];
+    switch (kind) {
+      case PredictorKind::one_bit_gate: one_bit_gate(neuron, scores); break;
+      case PredictorKind::normalized_one_bit_gate: normalized_one_bit_gate(neuron, scores); break;
+      case PredictorKind::two_bit_gate: two_bit_gate(neuron, scores); break;
+      case PredictorKind::sign_rule: break;
+    }
+    for (int32_t m = 0; m < rows_; ++m) active[m] = scores[m] >= min_score;
   }
 
  private:
   const uint32_t* neuron_bits(int32_t neuron) const { return signs_.bits.data() + static_cast<size_t>(neuron) * words_; }
   const SignBits& signs_;
   int32_t words_;
+  int32_t rows_;
   const DecodeKernelTable& kernels_;
   const float* x_padded_ = nullptr;
   const uint32_t* x_signs_ = nullptr;
-  float row_sum_ = 0.0f;
-  float row_norm_ = 0.0f;
+  const float* row_sums_ = nullptr;
+  const float* row_norms_ = nullptr;
 };
+
+// out [M, H] = (predictor.*score)(j) for every row and neuron j, the rows in blocks of kDecodeMaxRows.
+template <typename Value>
+void score_rows(const float* x, int64_t rows, const SignBits& signs, bool pack_signs,
+                void (BlockPredictor::*score)(int32_t, Value*) const, Value* out) {
+  TWELL_REQUIRE(rows >= 1, "rows (M) must be >= 1, got {}", rows);
+  require_signs_match(signs, signs.rows, signs.cols);
+  DecodeScratch scratch;
+  prepare_rows(x, rows, signs.cols, signs.words_per_row(), pack_signs, scratch);
+  for (int64_t first = 0; first < rows; first += kDecodeMaxRows) {
+    const BlockPredictor predictor(signs, scratch, first, static_cast<int32_t>(std::min<int64_t>(kDecodeMaxRows, rows - first)));
+#pragma omp parallel for num_threads(num_threads()) schedule(static)
+    for (int32_t j = 0; j < signs.rows; ++j) {
+      Value block[kDecodeMaxRows];
+      (predictor.*score)(j, block);
+      for (int32_t m = 0; m < predictor.rows(); ++m) out[(first + m) * signs.rows + j] = block[m];
+    }
+  }
+}
 
 }  // namespace
 
 void negative_sign_products(const float* x, int64_t rows, const SignBits& signs, int32_t* counts) {
-  TWELL_REQUIRE(rows >= 1, "rows (M) must be >= 1, got {}", rows);
-  require_signs_match(signs, signs.rows, signs.cols);
-  DecodeScratch scratch;
-  prepare_rows(x, rows, signs.cols, signs.words_per_row(), true, scratch);
-  for (int64_t m = 0; m < rows; ++m) {
-    RowPredictor predictor(signs, scratch, m);
-#pragma omp parallel for num_threads(num_threads()) schedule(static)
-    for (int32_t j = 0; j < signs.rows; ++j) counts[m * signs.rows + j] = predictor.negative_count(j);
-  }
+  score_rows(x, rows, signs, true, &BlockPredictor::negative_counts, counts);
 }
-
-namespace {
-
-// scores [M, H] = (predictor.*score)(j) for every row m and neuron j.
-void score_rows(const float* x, int64_t rows, const SignBits& signs, float (RowPredictor::*score)(int32_t) const,
-                float* scores) {
-  TWELL_REQUIRE(rows >= 1, "rows (M) must be >= 1, got {}", rows);
-  require_signs_match(signs, signs.rows, signs.cols);
-  DecodeScratch scratch;
-  prepare_rows(x, rows, signs.cols, signs.words_per_row(), false, scratch);
-  for (int64_t m = 0; m < rows; ++m) {
-    RowPredictor predictor(signs, scratch, m);
-#pragma omp parallel for num_threads(num_threads()) schedule(static)
-    for (int32_t j = 0; j < signs.rows; ++j) scores[m * signs.rows + j] = (predictor.*score)(j);
-  }
-}
-
-}  // namespace
 
 void one_bit_gate(const float* x, int64_t rows, const SignBits& signs, float* scores) {
-  score_rows(x, rows, signs, &RowPredictor::one_bit_gate, scores);
+  score_rows(x, rows, signs, false, &BlockPredictor::one_bit_gate, scores);
 }
 
 void normalized_one_bit_gate(const float* x, int64_t rows, const SignBits& signs, float* scores) {
-  score_rows(x, rows, signs, &RowPredictor::normalized_one_bit_gate, scores);
+  score_rows(x, rows, signs, false, &BlockPredictor::normalized_one_bit_gate, scores);
 }
 
 void two_bit_gate(const float* x, int64_t rows, const SignBits& signs, float* scores) {
-  score_rows(x, rows, signs, &RowPredictor::two_bit_gate, scores);
+  score_rows(x, rows, signs, false, &BlockPredictor::two_bit_gate, scores);
 }
 
 DecodeStats decode_ffn(const float* x, int64_t rows, const FfnWeights& weights, const SignBits& signs,
@@ -194,13 +202,15 @@ DecodeStats decode_ffn(const float* x, int64_t rows, const FfnWeights& weights, 
   {
     std::vector<DecodeScratch::ActiveNeuron>& found = scratch.active[omp_get_thread_num()];
     found.clear();
+    const BlockPredictor scorer(signs, scratch, 0, static_cast<int32_t>(rows));
 
 #pragma omp for schedule(static)
     for (int32_t j = 0; j < hidden; ++j) {
       const float* projection_row = projection + static_cast<size_t>(j) * cols;  // [D]
+      bool predicted_rows[kDecodeMaxRows];
+      scorer.predict(predictor.kind, j, max_negatives, min_score, predicted_rows);
       for (int64_t m = 0; m < rows; ++m) {
-        const RowPredictor row(signs, scratch, m);
-        const bool predicted_active = row.predicts_active(predictor.kind, j, max_negatives, min_score);
+        const bool predicted_active = predicted_rows[m];
         if (!predicted_active && !options.count_missed) continue;
         const float* x_row = x + m * cols;  // [D]
         float activation;

@@ -1,19 +1,43 @@
 // The ISA-specific inner loops of the decode predictors (include/twell/decode.h), one table per ISA.
 // The exact dot products and the down axpy are the CPU backend's own (kernels.h); only the loops
 // over packed sign bits live here. decode_ffn.cpp holds the blocking and threading once.
+//
+// Every loop scores up to kDecodeMaxRows tokens against one neuron in one pass over the neuron's
+// bit words: each word is loaded (and turned into lane masks) once for all rows. Each row keeps the
+// accumulators and summation order of a one-row call, so a row's score does not depend on M.
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 namespace twell::cpu {
 
 struct DecodeKernelTable {
-  // Σ x[k] over the set bits k of bits[0:words]; x [32·words], zero past the real columns (the
-  // padding bits are 0 as well, so the padded tail adds nothing either way).
-  float (*negative_sum)(const float* x_padded, const uint32_t* bits, int32_t words);
-  // popcount(a XOR b) over words, the sign rule's N_neg.
-  int32_t (*negative_count)(const uint32_t* a, const uint32_t* b, int32_t words);
+  // For rows r < rows (1..kDecodeMaxRows), token r's x is x_padded + r·32·words (zero past the real
+  // columns; the padding bits are 0 as well, so the padded tail adds nothing either way).
+  // large == nullptr: sums[r] = Σ x_r[k] over the set bits k of bits[0:words] (the sign plane).
+  // Otherwise the two-bit gate's three sums: sums[r] as above, sums[rows + r] over the set bits of
+  // large, sums[2·rows + r] over those of large AND bits (formed here, not stored).
+  void (*masked_sums)(const float* x_padded, int32_t rows, const uint32_t* bits, const uint32_t* large,
+                      int32_t words, float* sums);
+  // counts[r] = popcount(x_signs_r XOR bits) over words, the sign rule's N_neg; x_signs_r = x_signs + r·words.
+  void (*negative_counts)(const uint32_t* x_signs, int32_t rows, const uint32_t* bits, int32_t words,
+                          int32_t* counts);
 };
+
+// Calls block(std::integral_constant<int, n>{}, first_row) over rows in groups of n = kGroup rows
+// while they last, then of kGroup/2, ..., 1: the row count of each group is a compile-time constant,
+// so its accumulators can live in registers.
+template <int kGroup, typename Block>
+void for_each_row_group(int32_t rows, int32_t first_row, Block&& block) {
+  for (; first_row + kGroup <= rows; first_row += kGroup) block(std::integral_constant<int, kGroup>{}, first_row);
+  if constexpr (kGroup > 1) for_each_row_group<kGroup / 2>(rows, first_row, block);
+}
+
+// The mask word of plane p of word w: the sign plane, the large plane, or large AND sign.
+inline uint32_t plane_word(int plane, const uint32_t* bits, const uint32_t* large, int32_t w) {
+  return plane == 0 ? bits[w] : plane == 1 ? large[w] : large[w] & bits[w];
+}
 
 // Each defined in decode_kernels_<isa>.cpp, whose functions carry that ISA's target attribute.
 const DecodeKernelTable& scalar_decode_kernels();

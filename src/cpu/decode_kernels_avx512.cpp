@@ -10,6 +10,7 @@
 #include <immintrin.h>
 
 #include "decode_kernels.h"
+#include "twell/decode.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vpopcntdq,fma,popcnt")
@@ -17,50 +18,80 @@
 namespace twell::cpu {
 namespace {
 
-float negative_sum(const float* x_padded, const uint32_t* bits, int32_t words) {
-  // Two words per step into four accumulators: independent adds hide their latency.
-  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-  int32_t w = 0;
-  for (; w + 2 <= words; w += 2)
-    for (int u = 0; u < 2; ++u) {
-      const uint32_t word = bits[w + u];
-      const float* x = x_padded + 32 * (w + u);
-      acc[2 * u] = _mm512_mask_add_ps(acc[2 * u], static_cast<__mmask16>(word), acc[2 * u], _mm512_loadu_ps(x));
-      acc[2 * u + 1] = _mm512_mask_add_ps(acc[2 * u + 1], static_cast<__mmask16>(word >> 16), acc[2 * u + 1],
-                                          _mm512_loadu_ps(x + 16));
+// Rows [0, kRows) of the group at x_padded; sums[p·sums_stride + r] for plane p. Two words per step
+// into four accumulators per row and plane: independent adds hide their latency even at one row.
+template <int kRows, int kPlanes>
+void masked_sums_group(const float* x_padded, int32_t x_stride, const uint32_t* bits, const uint32_t* large,
+                       int32_t words, float* sums, int32_t sums_stride) {
+  __m512 acc[kPlanes][kRows][4];
+  for (auto& plane : acc)
+    for (auto& row : plane)
+      for (__m512& a : row) a = _mm512_setzero_ps();
+  // Word w into accumulators 2u and 2u + 1 of every row and plane.
+  const auto add_word = [&](int32_t w, int u) {
+    uint32_t word[kPlanes];
+    for (int p = 0; p < kPlanes; ++p) word[p] = plane_word(p, bits, large, w);
+    for (int r = 0; r < kRows; ++r) {
+      const __m512 low = _mm512_loadu_ps(x_padded + r * x_stride + 32 * w);
+      const __m512 high = _mm512_loadu_ps(x_padded + r * x_stride + 32 * w + 16);
+      for (int p = 0; p < kPlanes; ++p) {
+        __m512* a = acc[p][r];
+        a[2 * u] = _mm512_mask_add_ps(a[2 * u], static_cast<__mmask16>(word[p]), a[2 * u], low);
+        a[2 * u + 1] = _mm512_mask_add_ps(a[2 * u + 1], static_cast<__mmask16>(word[p] >> 16), a[2 * u + 1], high);
+      }
     }
-  if (w < words) {
-    const uint32_t word = bits[w];
-    acc[0] = _mm512_mask_add_ps(acc[0], static_cast<__mmask16>(word), acc[0], _mm512_loadu_ps(x_padded + 32 * w));
-    acc[1] = _mm512_mask_add_ps(acc[1], static_cast<__mmask16>(word >> 16), acc[1],
-                                _mm512_loadu_ps(x_padded + 32 * w + 16));
+  };
+  int32_t w = 0;
+  for (; w + 2 <= words; w += 2) {
+    add_word(w, 0);
+    add_word(w + 1, 1);
   }
-  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+  if (w < words) add_word(w, 0);
+  for (int p = 0; p < kPlanes; ++p)
+    for (int r = 0; r < kRows; ++r) {
+      const __m512* a = acc[p][r];
+      sums[p * sums_stride + r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
+    }
 }
 
-int32_t negative_count_vpopcntdq(const uint32_t* a, const uint32_t* b, int32_t words) {
-  __m512i acc = _mm512_setzero_si512();
+void masked_sums(const float* x_padded, int32_t rows, const uint32_t* bits, const uint32_t* large, int32_t words,
+                 float* sums) {
+  const int32_t x_stride = 32 * words;
+  if (large == nullptr)
+    for_each_row_group<4>(rows, 0, [&](auto group, int32_t row) {
+      masked_sums_group<decltype(group)::value, 1>(x_padded + row * x_stride, x_stride, bits, large, words,
+                                                   sums + row, rows);
+    });
+  else  // 3 planes x 4 accumulators per row: two rows fill 24 of the 32 registers
+    for_each_row_group<2>(rows, 0, [&](auto group, int32_t row) {
+      masked_sums_group<decltype(group)::value, 3>(x_padded + row * x_stride, x_stride, bits, large, words,
+                                                   sums + row, rows);
+    });
+}
+
+void negative_counts_vpopcntdq(const uint32_t* x_signs, int32_t rows, const uint32_t* bits, int32_t words,
+                               int32_t* counts) {
+  __m512i acc[kDecodeMaxRows];
+  for (int32_t r = 0; r < rows; ++r) acc[r] = _mm512_setzero_si512();
   for (int32_t w = 0; w < words; w += 16) {
     // The tail lanes load as 0 in both operands and add nothing.
     const __mmask16 lanes = words - w >= 16 ? static_cast<__mmask16>(0xffff)
                                             : static_cast<__mmask16>((1u << (words - w)) - 1);
-    __m512i diff = _mm512_xor_si512(_mm512_maskz_loadu_epi32(lanes, a + w), _mm512_maskz_loadu_epi32(lanes, b + w));
-    acc = _mm512_add_epi32(acc, _mm512_popcnt_epi32(diff));
+    const __m512i neuron = _mm512_maskz_loadu_epi32(lanes, bits + w);
+    for (int32_t r = 0; r < rows; ++r)
+      acc[r] = _mm512_add_epi32(
+          acc[r], _mm512_popcnt_epi32(_mm512_xor_si512(_mm512_maskz_loadu_epi32(lanes, x_signs + r * words + w), neuron)));
   }
-  return _mm512_reduce_add_epi32(acc);
-}
-
-int32_t negative_count_popcnt(const uint32_t* a, const uint32_t* b, int32_t words) {
-  int32_t count = 0;
-  for (int32_t w = 0; w < words; ++w) count += _mm_popcnt_u32(a[w] ^ b[w]);
-  return count;
+  for (int32_t r = 0; r < rows; ++r) counts[r] = _mm512_reduce_add_epi32(acc[r]);
 }
 
 }  // namespace
 
 const DecodeKernelTable& avx512_decode_kernels() {
-  static const DecodeKernelTable table{
-      &negative_sum, __builtin_cpu_supports("avx512vpopcntdq") ? &negative_count_vpopcntdq : &negative_count_popcnt};
+  // Without VPOPCNTDQ the AVX2 table's 64-bit POPCNT loop is the best there is.
+  static const DecodeKernelTable table{&masked_sums, __builtin_cpu_supports("avx512vpopcntdq")
+                                                         ? &negative_counts_vpopcntdq
+                                                         : avx2_decode_kernels().negative_counts};
   return table;
 }
 

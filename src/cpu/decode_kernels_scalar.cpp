@@ -4,23 +4,42 @@
 namespace twell::cpu {
 namespace {
 
-float negative_sum(const float* x_padded, const uint32_t* bits, int32_t words) {
-  float sum = 0.0f;
+// Rows [0, kRows) of the group at x_padded; sums[p·sums_stride + r] for plane p.
+template <int kRows, int kPlanes>
+void masked_sums_group(const float* x_padded, int32_t x_stride, const uint32_t* bits, const uint32_t* large,
+                       int32_t words, float* sums, int32_t sums_stride) {
+  float sum[kPlanes][kRows] = {};
   for (int32_t w = 0; w < words; ++w)
-    for (uint32_t word = bits[w]; word != 0; word &= word - 1) sum += x_padded[32 * w + __builtin_ctz(word)];
-  return sum;
+    for (int p = 0; p < kPlanes; ++p)
+      for (uint32_t word = plane_word(p, bits, large, w); word != 0; word &= word - 1) {
+        const float* x = x_padded + 32 * w + __builtin_ctz(word);
+        for (int r = 0; r < kRows; ++r) sum[p][r] += x[r * x_stride];
+      }
+  for (int p = 0; p < kPlanes; ++p)
+    for (int r = 0; r < kRows; ++r) sums[p * sums_stride + r] = sum[p][r];
 }
 
-int32_t negative_count(const uint32_t* a, const uint32_t* b, int32_t words) {
-  int32_t count = 0;
-  for (int32_t w = 0; w < words; ++w) count += __builtin_popcount(a[w] ^ b[w]);
-  return count;
+void masked_sums(const float* x_padded, int32_t rows, const uint32_t* bits, const uint32_t* large, int32_t words,
+                 float* sums) {
+  const int32_t x_stride = 32 * words;
+  for_each_row_group<4>(rows, 0, [&](auto group, int32_t row) {
+    if (large == nullptr)
+      masked_sums_group<decltype(group)::value, 1>(x_padded + row * x_stride, x_stride, bits, large, words, sums + row, rows);
+    else
+      masked_sums_group<decltype(group)::value, 3>(x_padded + row * x_stride, x_stride, bits, large, words, sums + row, rows);
+  });
+}
+
+void negative_counts(const uint32_t* x_signs, int32_t rows, const uint32_t* bits, int32_t words, int32_t* counts) {
+  for (int32_t r = 0; r < rows; ++r) counts[r] = 0;
+  for (int32_t w = 0; w < words; ++w)
+    for (int32_t r = 0; r < rows; ++r) counts[r] += __builtin_popcount(x_signs[r * words + w] ^ bits[w]);
 }
 
 }  // namespace
 
 const DecodeKernelTable& scalar_decode_kernels() {
-  static constexpr DecodeKernelTable table{&negative_sum, &negative_count};
+  static constexpr DecodeKernelTable table{&masked_sums, &negative_counts};
   return table;
 }
 

@@ -20,7 +20,6 @@ SignBits pack_sign_bits(const float* matrix, int32_t rows, int32_t cols) {
   packed.scale.assign(static_cast<size_t>(rows), 0.0f);
   packed.residual.assign(static_cast<size_t>(rows), 0.0f);
   packed.large.assign(packed.bits.size(), 0u);
-  packed.large_negative.assign(packed.bits.size(), 0u);
   packed.small_scale.assign(static_cast<size_t>(rows), 0.0f);
   packed.large_scale.assign(static_cast<size_t>(rows), 0.0f);
   packed.two_bit_residual.assign(static_cast<size_t>(rows), 0.0f);
@@ -46,14 +45,12 @@ SignBits pack_sign_bits(const float* matrix, int32_t rows, int32_t cols) {
     std::nth_element(magnitudes.begin(), magnitudes.begin() + split_index, magnitudes.end());
     const float split = magnitudes[split_index];
     uint32_t* large = packed.large.data() + static_cast<size_t>(r) * words;
-    uint32_t* large_negative = packed.large_negative.data() + static_cast<size_t>(r) * words;
     double large_sum = 0.0;
     int32_t large_count = 0;
     for (int32_t k = 0; k < cols; ++k) {
       if (!(std::abs(row[k]) > split)) continue;
       const uint32_t bit = 1u << (k % kSignBitsPerWord);
       large[k / kSignBitsPerWord] |= bit;
-      large_negative[k / kSignBitsPerWord] |= row_bits[k / kSignBitsPerWord] & bit;
       large_sum += std::abs(static_cast<double>(row[k]));
       ++large_count;
     }

@@ -3,8 +3,8 @@
 // precision; and its bytes against the floor (sign bits + the three rows of each truly active
 // neuron) as a fraction of the measured copy bandwidth.
 //
-// CPU: wall clock around each synchronous call. CUDA: every impl is timed with events around one
-// call (as `bench ffn` does), and the capturable ones (dense, predictors) also as a CUDA graph of
+// CPU: wall clock (or with --clock thread-cpu, the thread's CPU time) around each synchronous call.
+// CUDA: every impl is timed with events around one call (as `bench ffn` does), and the capturable ones (dense, predictors) also as a CUDA graph of
 // kGraphCalls calls replayed (the launch gaps of a decode step that runs in a graph).
 #include <algorithm>
 #include <chrono>
@@ -41,6 +41,7 @@ struct DecodeBenchOptions {
   int64_t calibration_rows = 512;
   int threads = 0;
   std::string isa;
+  std::string clock = "wall";  // or thread-cpu (one thread)
   int input_sets = 4;
   int warmup = 5;
   int reps = 50;
@@ -305,6 +306,10 @@ void run_decode_bench(const DecodeBenchOptions& options) {
   TWELL_REQUIRE(options.input_sets >= 1 && options.reps >= 1 && options.warmup >= 0,
                 "--inputs and --reps must be >= 1 and --warmup >= 0");
   const bool on_cuda = options.device == "cuda";
+  TWELL_REQUIRE(options.clock == "wall" || (options.clock == "thread-cpu" && !on_cuda && options.threads == 1),
+                "--clock must be wall, or thread-cpu with --device cpu --threads 1 (all work on one thread); got "
+                "--clock {} --device {} --threads {}",
+                options.clock, options.device, options.threads);
 #if !defined(TWELL_HAVE_CUDA)
   TWELL_REQUIRE(!on_cuda, "--device cuda: this twell was built without CUDA");
 #endif
@@ -354,8 +359,8 @@ void run_decode_bench(const DecodeBenchOptions& options) {
     copy_bandwidth = cpu_copy_bandwidth();
   }
   fmt::print("  {} ({}), copy bandwidth {:.1f} GB/s (read + write)\n", model,
-             on_cuda ? "bf16 weights" : fmt::format("fp32 weights, {} threads, {}", cpu::num_threads(),
-                                                    cpu::to_string(cpu::active_isa())),
+             on_cuda ? "bf16 weights" : fmt::format("fp32 weights, {} threads, {}, {} clock", cpu::num_threads(),
+                                                    cpu::to_string(cpu::active_isa()), options.clock),
              copy_bandwidth * 1e-9);
   fmt::print("{:>3} {:>20} {:>10} {:>10} {:>9} {:>9} {:>8} {:>8} {:>10} {:>9}\n", "M", "impl", "median us",
              on_cuda ? "graph us" : "p90 us", "speedup", "rel_err", "recall", "precis.", "pred/tok", "floor bw");
@@ -376,8 +381,12 @@ void run_decode_bench(const DecodeBenchOptions& options) {
     CpuState cpu_state{&work, &inputs, &signs};
     std::vector<Impl> impls;
 #if defined(TWELL_HAVE_CUDA)
-    CudaState cuda_state{&work};
-    if (on_cuda) impls = cuda_impls(cuda_state, inputs, signs, predictors, options);
+    // Only on the GPU: its dense FFN opens a cuBLASLt handle, which fails where there is no GPU.
+    std::unique_ptr<CudaState> cuda_state;
+    if (on_cuda) {
+      cuda_state = std::make_unique<CudaState>(&work);
+      impls = cuda_impls(*cuda_state, inputs, signs, predictors, options);
+    }
 #endif
     if (!on_cuda) impls = cpu_impls(cpu_state, predictors, options);
 
@@ -391,6 +400,7 @@ void run_decode_bench(const DecodeBenchOptions& options) {
 #if defined(TWELL_HAVE_CUDA)
             if (on_cuda) return event_ms(nullptr, [&] { impl.run(input); });
 #endif
+            if (options.clock == "thread-cpu") return thread_cpu_ms([&] { impl.run(input); });
             return wall_ms([&] { impl.run(input); });
           },
           options.warmup, options.reps, &timing);
@@ -438,6 +448,7 @@ void run_decode_bench(const DecodeBenchOptions& options) {
       }
       if (!on_cuda) {
         record.extra["threads"] = cpu::num_threads();
+        record.extra["clock"] = options.clock;
         record.extra["isa"] = cpu::to_string(cpu::active_isa());
       }
       double recall = 1, precision = 1, predicted_per_token = 0;
@@ -498,6 +509,9 @@ void add_bench_decode(CLI::App& bench) {
   command->add_option("--calibration-rows", options->calibration_rows, "sample tokens for calibration")->capture_default_str();
   command->add_option("--threads", options->threads, "CPU threads, 0 = all cores")->capture_default_str();
   command->add_option("--isa", options->isa, "CPU kernels: scalar, avx2 or avx512 (default: the best)");
+  command->add_option("--clock", options->clock,
+                      "CPU timing: wall, or thread-cpu (needs --threads 1; robust on a shared machine)")
+      ->capture_default_str();
   command->add_option("--inputs", options->input_sets, "activation sets rotated between reps")->capture_default_str();
   command->add_option("--warmup", options->warmup, "untimed runs per impl")->capture_default_str();
   command->add_option("--reps", options->reps, "timed runs per impl")->capture_default_str();

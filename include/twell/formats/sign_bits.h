@@ -16,10 +16,11 @@
 //                                               index two_bit_split_index(K) of the row's |A| sorted
 //                                               ascending (so at most 40% of a row is large);
 //                                               padding bits 0
-//   large_negative   uint32 [R, words_per_row]  large AND bits (so one masked-sum loop serves all)
 //   small_scale      float  [R]  mean |A[r, k]| over the elements whose large bit is 0
 //   large_scale      float  [R]  mean |A[r, k]| over the elements whose large bit is 1 (0 when none)
 //   two_bit_residual float  [R]  rms over the K elements of A[r, k] − that approximation
+// Two bit planes and five floats per row in all (sign_bits_bytes): the two-bit gate's third mask,
+// large AND bits, is formed from the two planes where it is used, never stored.
 // The same packing applies to the gate weights Wg [H, D] (once, at load) and to a token x [D]
 // (per call).
 #pragma once
@@ -40,6 +41,12 @@ TWELL_HD constexpr int32_t sign_words_per_row(int32_t cols) {
 // active set at 99% recall, scripts/predictor_study.py), and 0.7 / 0.8 did no better.
 TWELL_HD constexpr int32_t two_bit_split_index(int32_t cols) {
   return static_cast<int32_t>(static_cast<int64_t>(cols) * 3 / 5);
+}
+
+// Bytes of a packed [R, K] matrix: the planes bits and large, and scale, residual, small_scale,
+// large_scale, two_bit_residual.
+TWELL_HD constexpr int64_t sign_bits_bytes(int32_t rows, int32_t cols) {
+  return static_cast<int64_t>(rows) * (2 * sign_words_per_row(cols) * 4 + 5 * 4);
 }
 
 static_assert(sign_words_per_row(1) == 1 && sign_words_per_row(32) == 1 && sign_words_per_row(33) == 2,
