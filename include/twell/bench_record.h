@@ -38,6 +38,11 @@ struct BenchRecord {
   nlohmann::json extra = nlohmann::json::object();  // bench-specific fields (speedup, GB/s, ...)
 };
 
+// A record of what was measured (bench, impl), where (device, gpu_name) and on which shape, with
+// this binary's commit and today's date; the caller adds the timing, errors, memory and extras.
+BenchRecord new_bench_record(const std::string& bench, const std::string& device, const std::string& gpu_name,
+                             const std::string& impl, int64_t M, int32_t D, int32_t H, double target_density = 0);
+
 nlohmann::json to_json(const BenchRecord& record);
 // Writes atomically (temp file + rename).
 void write_bench_json(const std::string& path, const std::vector<BenchRecord>& records);

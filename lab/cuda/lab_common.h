@@ -104,22 +104,11 @@ inline int64_t differing_values(const TwellMatrix& got, const TwellMatrix& want)
   return differing;
 }
 
-// A record with the fields every lab fills alike (device "cuda", this GPU, this build, today); the
-// caller adds errors, memory and extras.
+// A record on this GPU with its timing (new_bench_record); the caller adds errors, memory and extras.
 inline BenchRecord cuda_record(const std::string& bench, const std::string& impl, int64_t rows, int32_t d_model,
                                int32_t d_hidden, double density, const TimingStats& timing) {
-  BenchRecord r;
-  r.bench = bench;
-  r.device = "cuda";
-  r.gpu_name = cuda::device_name();
-  r.impl = impl;
-  r.M = rows;
-  r.D = d_model;
-  r.H = d_hidden;
-  r.target_density = density;
+  BenchRecord r = new_bench_record(bench, "cuda", cuda::device_name(), impl, rows, d_model, d_hidden, density);
   r.timing = timing;
-  r.commit = build_commit();
-  r.date = today_utc();
   return r;
 }
 

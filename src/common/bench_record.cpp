@@ -43,6 +43,22 @@ nlohmann::json to_json(const BenchRecord& r) {
   return j;
 }
 
+BenchRecord new_bench_record(const std::string& bench, const std::string& device, const std::string& gpu_name,
+                             const std::string& impl, int64_t M, int32_t D, int32_t H, double target_density) {
+  BenchRecord r;
+  r.bench = bench;
+  r.device = device;
+  r.gpu_name = gpu_name;
+  r.impl = impl;
+  r.M = M;
+  r.D = D;
+  r.H = H;
+  r.target_density = target_density;
+  r.commit = build_commit();
+  r.date = today_utc();
+  return r;
+}
+
 void write_bench_json(const std::string& path, const std::vector<BenchRecord>& records) {
   nlohmann::json array = nlohmann::json::array();
   for (const auto& record : records) array.push_back(to_json(record));

@@ -197,8 +197,6 @@ void run_ffn_bench(const FfnBenchOptions& options) {
   FfnBenchDevice device = make_device(options);
   TWELL_REQUIRE(!device.impls.empty() && device.impls[0]->name() == "dense",
                 "the {} benchmark must list the dense baseline first", options.device);
-  const std::string commit = build_commit();
-  const std::string date = today_utc();
   fmt::print(
       "twell bench ffn: {} ({}), D={} H={} {}, TwELL T={} C={}, {} input sets, {} warm-up + {} timed reps, {} clock\n",
       options.device, device.model, options.d_model, options.d_hidden, options.gated ? "gated" : "non-gated",
@@ -232,21 +230,12 @@ void run_ffn_bench(const FfnBenchOptions& options) {
         TWELL_REQUIRE(y.size() == outputs, "impl {} returned {} outputs, expected M*D = {}", impl->name(), y.size(),
                       outputs);
 
-        BenchRecord record;
-        record.bench = "ffn";
-        record.device = options.device;
-        record.gpu_name = device.model;
-        record.impl = impl->name();
-        record.M = rows;
-        record.D = options.d_model;
-        record.H = options.d_hidden;
-        record.target_density = density;
+        BenchRecord record = new_bench_record("ffn", options.device, device.model, impl->name(), rows,
+                                              options.d_model, options.d_hidden, density);
         record.nnz_per_row = facts.nnz_per_row;
         record.timing = summarize_ms(samples);
         record.rel_err = reference_error(facts, y, options.d_model);
         record.peak_bytes = impl->peak_bytes();
-        record.commit = commit;
-        record.date = date;
         const bool is_dense = impl->name() == "dense";
         if (is_dense) dense_median_ms = record.timing.median_ms;
         const NapkinMath napkin = napkin_math(!is_dense, work, facts);

@@ -188,21 +188,11 @@ void run_cuda(const TrainBenchOptions& o) {
         const cuda::FfnTrainStats stats = op.stats(stream);
         const Errors errors = sampled_errors(ref, y.get(), grads, d);
 
-        BenchRecord r;
-        r.bench = "ffn-train";
-        r.device = "cuda";
-        r.gpu_name = cuda::device_name();
-        r.impl = impl;
-        r.M = m;
-        r.D = d;
-        r.H = h;
-        r.target_density = density;
+        BenchRecord r = new_bench_record("ffn-train", "cuda", cuda::device_name(), impl, m, d, h, density);
         r.nnz_per_row = stats.l0;
         r.timing = summarize_ms(samples);
         r.rel_err = errors.worst();
         r.peak_bytes = op.held_bytes();
-        r.commit = build_commit();
-        r.date = today_utc();
         if (impl == "dense") {
           dense_ms = r.timing.median_ms;
           dense_bytes = static_cast<double>(r.peak_bytes);

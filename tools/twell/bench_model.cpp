@@ -264,17 +264,11 @@ void run_bench_model(const BenchModelOptions& options) {
     if (!std::isnan(times.prefill_twell_fraction))
       fmt::print("{:>8} prefill FFN calls that ran TwELL (the rest dense): {:.0f}%\n", "", 100 * times.prefill_twell_fraction);
     for (const bool is_prefill : {true, false}) {
-      BenchRecord record;
-      record.bench = "model";
-      record.device = options.device;
-      record.gpu_name = device_name;
-      record.impl = name;
-      record.M = is_prefill ? options.batch * options.prompt_tokens : options.decode_batch;
-      record.D = config.d_model;
-      record.H = config.d_hidden;
+      BenchRecord record =
+          new_bench_record("model", options.device, device_name, name,
+                           is_prefill ? options.batch * options.prompt_tokens : options.decode_batch, config.d_model,
+                           config.d_hidden);
       record.timing = summarize_ms(is_prefill ? times.prefill_ms : times.decode_ms);
-      record.commit = build_commit();
-      record.date = today_utc();
       const MeanStd& rate = is_prefill ? prefill : decode;
       const double joules_per_token = is_prefill ? prefill_j : decode_j;
       record.extra = {{"phase", is_prefill ? "prefill" : "decode"},
