@@ -365,15 +365,12 @@ void run_decode_bench(const DecodeBenchOptions& options) {
   fmt::print("{:>3} {:>20} {:>10} {:>10} {:>9} {:>9} {:>8} {:>8} {:>10} {:>9}\n", "M", "impl", "median us",
              on_cuda ? "graph us" : "p90 us", "speedup", "rel_err", "recall", "precis.", "pred/tok", "floor bw");
 
-  const std::string commit = build_commit(), date = today_utc();
   const int64_t sign_bytes = static_cast<int64_t>(signs.bits.size()) * 4 + static_cast<int64_t>(signs.scale.size()) * 4;
   std::vector<BenchRecord> records;
   for (int64_t rows : options.rows) {
     spec.rows = rows;
     const Workload work = make_workload(spec);
-    std::vector<std::vector<float>> inputs = {work.x};
-    for (int i = 1; i < options.input_sets; ++i)
-      inputs.push_back(make_activations(rows, options.d_model, options.seed + 1000 * static_cast<uint64_t>(i)));
+    const std::vector<std::vector<float>> inputs = rotated_inputs(work, options.input_sets);
     const Facts facts = reference_facts(work);
     const int matrices = work.weights.gated ? 3 : 2;
     const double floor_bytes = sign_bytes + static_cast<double>(facts.union_active) * matrices * options.d_model * element_bytes;
@@ -418,20 +415,11 @@ void run_decode_bench(const DecodeBenchOptions& options) {
       impl.run(0);
       const std::vector<float> y = impl.output();
 
-      BenchRecord record;
-      record.bench = "decode";
-      record.device = options.device;
-      record.gpu_name = model;
-      record.impl = impl.name;
-      record.M = rows;
-      record.D = options.d_model;
-      record.H = options.d_hidden;
-      record.target_density = options.density;
+      BenchRecord record = new_bench_record("decode", options.device, model, impl.name, rows, options.d_model,
+                                            options.d_hidden, options.density);
       record.nnz_per_row = facts.nnz_per_row;
       record.timing = timing;
       record.rel_err = relative_l2_error(y.data(), facts.y_ref.data(), y.size());
-      record.commit = commit;
-      record.date = date;
       if (impl.name == "dense") {
         dense_ms = timing.median_ms;
         dense_graph_ms = graph_ms;
