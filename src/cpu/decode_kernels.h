@@ -34,6 +34,26 @@ void for_each_row_group(int32_t rows, int32_t first_row, Block&& block) {
   if constexpr (kGroup > 1) for_each_row_group<kGroup / 2>(rows, first_row, block);
 }
 
+// DecodeKernelTable::masked_sums from an ISA's Group::run<kRows, kPlanes>(x of the group's first
+// row, x row stride, bits, large, words, sums of the first row, sums plane stride): groups of up to
+// kOnePlaneRows rows (large == nullptr: one plane) or kThreePlaneRows rows (three planes), as many
+// as the ISA's registers hold accumulators for.
+template <typename Group, int kOnePlaneRows, int kThreePlaneRows>
+void masked_sums_in_groups(const float* x_padded, int32_t rows, const uint32_t* bits, const uint32_t* large,
+                           int32_t words, float* sums) {
+  const int32_t x_stride = 32 * words;
+  const auto group_sums = [&](auto group, auto planes, int32_t row) {
+    Group::template run<decltype(group)::value, decltype(planes)::value>(x_padded + row * x_stride, x_stride, bits,
+                                                                          large, words, sums + row, rows);
+  };
+  if (large == nullptr)
+    for_each_row_group<kOnePlaneRows>(
+        rows, 0, [&](auto group, int32_t row) { group_sums(group, std::integral_constant<int, 1>{}, row); });
+  else
+    for_each_row_group<kThreePlaneRows>(
+        rows, 0, [&](auto group, int32_t row) { group_sums(group, std::integral_constant<int, 3>{}, row); });
+}
+
 // The mask word of plane p of word w: the sign plane, the large plane, or large AND sign.
 inline uint32_t plane_word(int plane, const uint32_t* bits, const uint32_t* large, int32_t w) {
   return plane == 0 ? bits[w] : plane == 1 ? large[w] : large[w] & bits[w];

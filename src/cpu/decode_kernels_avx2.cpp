@@ -14,55 +14,43 @@ namespace {
 // Rows [0, kRows) of the group at x_padded; sums[p·sums_stride + r] for plane p. Lane i of byte b's
 // vector holds bit 8b+i of the word in its sign position (shift left by 31-(8b+i)); the selectors are
 // made once per word for all rows.
-template <int kRows, int kPlanes>
-void masked_sums_group(const float* x_padded, int32_t x_stride, const uint32_t* bits, const uint32_t* large,
-                       int32_t words, float* sums, int32_t sums_stride) {
-  const __m256i shifts[4] = {_mm256_setr_epi32(31, 30, 29, 28, 27, 26, 25, 24),
-                             _mm256_setr_epi32(23, 22, 21, 20, 19, 18, 17, 16),
-                             _mm256_setr_epi32(15, 14, 13, 12, 11, 10, 9, 8),
-                             _mm256_setr_epi32(7, 6, 5, 4, 3, 2, 1, 0)};
-  __m256 acc[kPlanes][kRows][4];
-  for (auto& plane : acc)
-    for (auto& row : plane)
-      for (__m256& a : row) a = _mm256_setzero_ps();
-  for (int32_t w = 0; w < words; ++w) {
-    __m256i word[kPlanes];
-    for (int p = 0; p < kPlanes; ++p) word[p] = _mm256_set1_epi32(static_cast<int>(plane_word(p, bits, large, w)));
-    for (int b = 0; b < 4; ++b) {
-      // blendv reads only the sign bit of each lane of the selector.
-      __m256 selector[kPlanes];
-      for (int p = 0; p < kPlanes; ++p) selector[p] = _mm256_castsi256_ps(_mm256_sllv_epi32(word[p], shifts[b]));
-      for (int r = 0; r < kRows; ++r) {
-        const __m256 x = _mm256_loadu_ps(x_padded + r * x_stride + 32 * w + 8 * b);
-        for (int p = 0; p < kPlanes; ++p)
-          acc[p][r][b] = _mm256_add_ps(acc[p][r][b], _mm256_blendv_ps(_mm256_setzero_ps(), x, selector[p]));
+struct Avx2Sums {
+  template <int kRows, int kPlanes>
+  static void run(const float* x_padded, int32_t x_stride, const uint32_t* bits, const uint32_t* large,
+                  int32_t words, float* sums, int32_t sums_stride) {
+    const __m256i shifts[4] = {_mm256_setr_epi32(31, 30, 29, 28, 27, 26, 25, 24),
+                               _mm256_setr_epi32(23, 22, 21, 20, 19, 18, 17, 16),
+                               _mm256_setr_epi32(15, 14, 13, 12, 11, 10, 9, 8),
+                               _mm256_setr_epi32(7, 6, 5, 4, 3, 2, 1, 0)};
+    __m256 acc[kPlanes][kRows][4];
+    for (auto& plane : acc)
+      for (auto& row : plane)
+        for (__m256& a : row) a = _mm256_setzero_ps();
+    for (int32_t w = 0; w < words; ++w) {
+      __m256i word[kPlanes];
+      for (int p = 0; p < kPlanes; ++p) word[p] = _mm256_set1_epi32(static_cast<int>(plane_word(p, bits, large, w)));
+      for (int b = 0; b < 4; ++b) {
+        // blendv reads only the sign bit of each lane of the selector.
+        __m256 selector[kPlanes];
+        for (int p = 0; p < kPlanes; ++p) selector[p] = _mm256_castsi256_ps(_mm256_sllv_epi32(word[p], shifts[b]));
+        for (int r = 0; r < kRows; ++r) {
+          const __m256 x = _mm256_loadu_ps(x_padded + r * x_stride + 32 * w + 8 * b);
+          for (int p = 0; p < kPlanes; ++p)
+            acc[p][r][b] = _mm256_add_ps(acc[p][r][b], _mm256_blendv_ps(_mm256_setzero_ps(), x, selector[p]));
+        }
       }
     }
+    for (int p = 0; p < kPlanes; ++p)
+      for (int r = 0; r < kRows; ++r) {
+        const __m256* a = acc[p][r];
+        const __m256 total = _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]));
+        __m128 half = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
+        half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+        half = _mm_add_ss(half, _mm_movehdup_ps(half));
+        sums[p * sums_stride + r] = _mm_cvtss_f32(half);
+      }
   }
-  for (int p = 0; p < kPlanes; ++p)
-    for (int r = 0; r < kRows; ++r) {
-      const __m256* a = acc[p][r];
-      const __m256 total = _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]));
-      __m128 half = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
-      half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-      half = _mm_add_ss(half, _mm_movehdup_ps(half));
-      sums[p * sums_stride + r] = _mm_cvtss_f32(half);
-    }
-}
-
-void masked_sums(const float* x_padded, int32_t rows, const uint32_t* bits, const uint32_t* large, int32_t words,
-                 float* sums) {
-  const int32_t x_stride = 32 * words;
-  // 16 ymm registers: two rows of one plane (8 accumulators), or one row of three (12).
-  if (large == nullptr)
-    for_each_row_group<2>(rows, 0, [&](auto group, int32_t row) {
-      masked_sums_group<decltype(group)::value, 1>(x_padded + row * x_stride, x_stride, bits, large, words,
-                                                   sums + row, rows);
-    });
-  else
-    for (int32_t row = 0; row < rows; ++row)
-      masked_sums_group<1, 3>(x_padded + row * x_stride, x_stride, bits, large, words, sums + row, rows);
-}
+};
 
 void negative_counts(const uint32_t* x_signs, int32_t rows, const uint32_t* bits, int32_t words, int32_t* counts) {
   int64_t count[kDecodeMaxRows] = {};
@@ -84,7 +72,8 @@ void negative_counts(const uint32_t* x_signs, int32_t rows, const uint32_t* bits
 }  // namespace
 
 const DecodeKernelTable& avx2_decode_kernels() {
-  static constexpr DecodeKernelTable table{&masked_sums, &negative_counts};
+  // 16 ymm registers: two rows of one plane (8 accumulators), or one row of three (12).
+  static constexpr DecodeKernelTable table{&masked_sums_in_groups<Avx2Sums, 2, 1>, &negative_counts};
   return table;
 }
 

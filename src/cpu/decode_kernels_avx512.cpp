@@ -20,54 +20,41 @@ namespace {
 
 // Rows [0, kRows) of the group at x_padded; sums[p·sums_stride + r] for plane p. Two words per step
 // into four accumulators per row and plane: independent adds hide their latency even at one row.
-template <int kRows, int kPlanes>
-void masked_sums_group(const float* x_padded, int32_t x_stride, const uint32_t* bits, const uint32_t* large,
-                       int32_t words, float* sums, int32_t sums_stride) {
-  __m512 acc[kPlanes][kRows][4];
-  for (auto& plane : acc)
-    for (auto& row : plane)
-      for (__m512& a : row) a = _mm512_setzero_ps();
-  // Word w into accumulators 2u and 2u + 1 of every row and plane.
-  const auto add_word = [&](int32_t w, int u) {
-    uint32_t word[kPlanes];
-    for (int p = 0; p < kPlanes; ++p) word[p] = plane_word(p, bits, large, w);
-    for (int r = 0; r < kRows; ++r) {
-      const __m512 low = _mm512_loadu_ps(x_padded + r * x_stride + 32 * w);
-      const __m512 high = _mm512_loadu_ps(x_padded + r * x_stride + 32 * w + 16);
-      for (int p = 0; p < kPlanes; ++p) {
-        __m512* a = acc[p][r];
-        a[2 * u] = _mm512_mask_add_ps(a[2 * u], static_cast<__mmask16>(word[p]), a[2 * u], low);
-        a[2 * u + 1] = _mm512_mask_add_ps(a[2 * u + 1], static_cast<__mmask16>(word[p] >> 16), a[2 * u + 1], high);
+struct Avx512Sums {
+  template <int kRows, int kPlanes>
+  static void run(const float* x_padded, int32_t x_stride, const uint32_t* bits, const uint32_t* large,
+                  int32_t words, float* sums, int32_t sums_stride) {
+    __m512 acc[kPlanes][kRows][4];
+    for (auto& plane : acc)
+      for (auto& row : plane)
+        for (__m512& a : row) a = _mm512_setzero_ps();
+    // Word w into accumulators 2u and 2u + 1 of every row and plane.
+    const auto add_word = [&](int32_t w, int u) {
+      uint32_t word[kPlanes];
+      for (int p = 0; p < kPlanes; ++p) word[p] = plane_word(p, bits, large, w);
+      for (int r = 0; r < kRows; ++r) {
+        const __m512 low = _mm512_loadu_ps(x_padded + r * x_stride + 32 * w);
+        const __m512 high = _mm512_loadu_ps(x_padded + r * x_stride + 32 * w + 16);
+        for (int p = 0; p < kPlanes; ++p) {
+          __m512* a = acc[p][r];
+          a[2 * u] = _mm512_mask_add_ps(a[2 * u], static_cast<__mmask16>(word[p]), a[2 * u], low);
+          a[2 * u + 1] = _mm512_mask_add_ps(a[2 * u + 1], static_cast<__mmask16>(word[p] >> 16), a[2 * u + 1], high);
+        }
       }
+    };
+    int32_t w = 0;
+    for (; w + 2 <= words; w += 2) {
+      add_word(w, 0);
+      add_word(w + 1, 1);
     }
-  };
-  int32_t w = 0;
-  for (; w + 2 <= words; w += 2) {
-    add_word(w, 0);
-    add_word(w + 1, 1);
+    if (w < words) add_word(w, 0);
+    for (int p = 0; p < kPlanes; ++p)
+      for (int r = 0; r < kRows; ++r) {
+        const __m512* a = acc[p][r];
+        sums[p * sums_stride + r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
+      }
   }
-  if (w < words) add_word(w, 0);
-  for (int p = 0; p < kPlanes; ++p)
-    for (int r = 0; r < kRows; ++r) {
-      const __m512* a = acc[p][r];
-      sums[p * sums_stride + r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
-    }
-}
-
-void masked_sums(const float* x_padded, int32_t rows, const uint32_t* bits, const uint32_t* large, int32_t words,
-                 float* sums) {
-  const int32_t x_stride = 32 * words;
-  if (large == nullptr)
-    for_each_row_group<4>(rows, 0, [&](auto group, int32_t row) {
-      masked_sums_group<decltype(group)::value, 1>(x_padded + row * x_stride, x_stride, bits, large, words,
-                                                   sums + row, rows);
-    });
-  else  // 3 planes x 4 accumulators per row: two rows fill 24 of the 32 registers
-    for_each_row_group<2>(rows, 0, [&](auto group, int32_t row) {
-      masked_sums_group<decltype(group)::value, 3>(x_padded + row * x_stride, x_stride, bits, large, words,
-                                                   sums + row, rows);
-    });
-}
+};
 
 void negative_counts_vpopcntdq(const uint32_t* x_signs, int32_t rows, const uint32_t* bits, int32_t words,
                                int32_t* counts) {
@@ -88,10 +75,11 @@ void negative_counts_vpopcntdq(const uint32_t* x_signs, int32_t rows, const uint
 }  // namespace
 
 const DecodeKernelTable& avx512_decode_kernels() {
+  // 32 zmm registers: four rows of one plane (16 accumulators), or two rows of three (24).
   // Without VPOPCNTDQ the AVX2 table's 64-bit POPCNT loop is the best there is.
-  static const DecodeKernelTable table{&masked_sums, __builtin_cpu_supports("avx512vpopcntdq")
-                                                         ? &negative_counts_vpopcntdq
-                                                         : avx2_decode_kernels().negative_counts};
+  static const DecodeKernelTable table{
+      &masked_sums_in_groups<Avx512Sums, 4, 2>,
+      __builtin_cpu_supports("avx512vpopcntdq") ? &negative_counts_vpopcntdq : avx2_decode_kernels().negative_counts};
   return table;
 }
 

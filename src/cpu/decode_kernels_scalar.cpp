@@ -5,30 +5,21 @@ namespace twell::cpu {
 namespace {
 
 // Rows [0, kRows) of the group at x_padded; sums[p·sums_stride + r] for plane p.
-template <int kRows, int kPlanes>
-void masked_sums_group(const float* x_padded, int32_t x_stride, const uint32_t* bits, const uint32_t* large,
-                       int32_t words, float* sums, int32_t sums_stride) {
-  float sum[kPlanes][kRows] = {};
-  for (int32_t w = 0; w < words; ++w)
+struct ScalarSums {
+  template <int kRows, int kPlanes>
+  static void run(const float* x_padded, int32_t x_stride, const uint32_t* bits, const uint32_t* large,
+                  int32_t words, float* sums, int32_t sums_stride) {
+    float sum[kPlanes][kRows] = {};
+    for (int32_t w = 0; w < words; ++w)
+      for (int p = 0; p < kPlanes; ++p)
+        for (uint32_t word = plane_word(p, bits, large, w); word != 0; word &= word - 1) {
+          const float* x = x_padded + 32 * w + __builtin_ctz(word);
+          for (int r = 0; r < kRows; ++r) sum[p][r] += x[r * x_stride];
+        }
     for (int p = 0; p < kPlanes; ++p)
-      for (uint32_t word = plane_word(p, bits, large, w); word != 0; word &= word - 1) {
-        const float* x = x_padded + 32 * w + __builtin_ctz(word);
-        for (int r = 0; r < kRows; ++r) sum[p][r] += x[r * x_stride];
-      }
-  for (int p = 0; p < kPlanes; ++p)
-    for (int r = 0; r < kRows; ++r) sums[p * sums_stride + r] = sum[p][r];
-}
-
-void masked_sums(const float* x_padded, int32_t rows, const uint32_t* bits, const uint32_t* large, int32_t words,
-                 float* sums) {
-  const int32_t x_stride = 32 * words;
-  for_each_row_group<4>(rows, 0, [&](auto group, int32_t row) {
-    if (large == nullptr)
-      masked_sums_group<decltype(group)::value, 1>(x_padded + row * x_stride, x_stride, bits, large, words, sums + row, rows);
-    else
-      masked_sums_group<decltype(group)::value, 3>(x_padded + row * x_stride, x_stride, bits, large, words, sums + row, rows);
-  });
-}
+      for (int r = 0; r < kRows; ++r) sums[p * sums_stride + r] = sum[p][r];
+  }
+};
 
 void negative_counts(const uint32_t* x_signs, int32_t rows, const uint32_t* bits, int32_t words, int32_t* counts) {
   for (int32_t r = 0; r < rows; ++r) counts[r] = 0;
@@ -39,7 +30,7 @@ void negative_counts(const uint32_t* x_signs, int32_t rows, const uint32_t* bits
 }  // namespace
 
 const DecodeKernelTable& scalar_decode_kernels() {
-  static constexpr DecodeKernelTable table{&masked_sums, &negative_counts};
+  static constexpr DecodeKernelTable table{&masked_sums_in_groups<ScalarSums, 4, 4>, &negative_counts};
   return table;
 }
 
