@@ -326,7 +326,6 @@ void build_neuron_lists(const HybridView& gate, NeuronLists& lists, cudaStream_t
   lists.chunk_entries =
       static_cast<int32_t>(std::max(kMinChunkEntries, (count + kMaxPartialRows - 1) / kMaxPartialRows));
   lists.max_partials = count / lists.chunk_entries;
-  lists.max_chunks = cols + lists.max_partials;
   lists.chunk_start.resize(cols + 1);
   neuron_chunk_count_kernel<<<(cols + threads) / threads, threads, 0, stream>>>(
       lists.col_start.data(), cols, lists.chunk_entries, lists.col_count.data());

@@ -76,8 +76,7 @@ struct NeuronLists {
   DeviceBuffer<float> partial[2];     // [max_partials, D] each: chunk partial sums of the two outputs
   const int32_t* sorted_entries = nullptr;  // points into entries[0] or entries[1]
   int32_t chunk_entries = 0;
-  int64_t max_chunks = 0;    // bound on chunk_start[H]: H + M·W / chunk_entries
-  int64_t max_partials = 0;  // bound on chunk_start[H] - H: M·W / chunk_entries
+  int64_t max_partials = 0;  // bound on chunk_start[H] - H (chunks past each neuron's first): M·W / chunk_entries
 
   int64_t bytes() const {
     return static_cast<int64_t>(keys[0].bytes() + keys[1].bytes() + entries[0].bytes() + entries[1].bytes() +

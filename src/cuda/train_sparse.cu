@@ -505,12 +505,13 @@ void neuron_weight_grads(NeuronLists& lists, const HybridShape& shape, const flo
   const ChunkedLists chunked{lists.col_start.data(), lists.chunk_start.data(), lists.sorted_entries, shape.cols,
                              lists.chunk_entries};
   const int threads = kNeuronGroups * row_block_threads(d_model);
+  const unsigned chunk_bound = grid_of(shape.cols + lists.max_partials);  // every neuron has at least one chunk
   if (b_ell)
-    neuron_grad_kernel<true><<<grid_of(lists.max_chunks), threads, 0, stream>>>(
+    neuron_grad_kernel<true><<<chunk_bound, threads, 0, stream>>>(
         chunked, shape.ell_width, a_ell, b_ell, rows, d_model, out_a, out_b, lists.partial[0].data(),
         lists.partial[1].data());
   else
-    neuron_grad_kernel<false><<<grid_of(lists.max_chunks), threads, 0, stream>>>(
+    neuron_grad_kernel<false><<<chunk_bound, threads, 0, stream>>>(
         chunked, shape.ell_width, a_ell, nullptr, rows, d_model, out_a, nullptr, lists.partial[0].data(), nullptr);
   TWELL_CUDA_CHECK_LAUNCH();
   if (lists.max_partials == 0) return;
