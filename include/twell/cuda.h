@@ -130,13 +130,18 @@ class DenseFfn {
 };
 
 // The FFN with dispatch. Rule: for each (M bucket = ceil(log2 M), density bucket = floor(log2(1 +
-// non-zeros per row)) of the previous packing), the first call of a bucket runs TwELL and the second
-// runs dense, each once untimed (one-time costs such as plans and allocations) and then 3 times timed
-// with CUDA events, the fastest kept (one synchronization each); a TwELL time counts for the bucket of
-// the density that call measured. Later calls in the bucket take the faster, so a call is never slower
-// than dense by more than the timing noise of those runs. The density bucket comes from the last TwELL
-// call (the packer counts its non-zeros): while dense is chosen the density is not observed again, and
-// dense stays. The spill grows (for the next call) when the last packing overflowed it.
+// non-zeros per row)) of the latest TwELL packing whose counters have arrived), the first call of a
+// bucket runs TwELL and the second runs dense, each once untimed (one-time costs such as plans and
+// allocations) and then 5 times timed with CUDA events, the median kept (one synchronization each;
+// the median, not the fastest, because one lucky TwELL run flipped M = 16 to a path 14% slower); a
+// TwELL time counts for the bucket of the density that call measured. Later calls in the bucket take
+// the faster, so a call is never slower than dense by more than the timing noise of those runs.
+// The packer's counters come back asynchronously through a ring of kCounterSlots pinned slots: a call
+// reads the newest slot whose copy has finished, without waiting; only when the GPU is a whole ring
+// behind does a call wait for the oldest, so the density a call is keyed by is at most kCounterSlots
+// TwELL calls old even when the host runs far ahead (with one slot, a host that stays ahead never saw
+// a density change). While dense is chosen the density is not observed again, and dense stays. The
+// spill grows (for the next call) when a packing overflowed it.
 struct SparseFfnOptions {
   int32_t tile = 128;
   int32_t compression = 4;
@@ -163,16 +168,28 @@ class SparseFfn {
   void run_path(bool dense, const bf16* x, int64_t rows, const DeviceFfnWeights& weights, bf16* y,
                 cudaStream_t stream);
 
+  // One TwELL call's counters, copied from the device at its end.
+  struct Counters {
+    unsigned long long nnz;
+    int32_t spill_used;
+  };
+  static constexpr int kCounterSlots = 4;
+  // Reads the newest finished slot (waits for the oldest only when all kCounterSlots are in flight
+  // and unread) into last_nnz_per_row_, and grows the spill when that packing overflowed it.
+  void read_counters();
+
   SparseFfnOptions options_;
   DeviceTwell packed_;
   DenseFfn dense_;
   std::map<int64_t, BucketTiming> timings_;
-  double last_nnz_per_row_ = -1;  // unknown before the first TwELL call
+  double last_nnz_per_row_ = -1;  // unknown before the first TwELL call's counters arrive
   bool last_dense_ = false;
   cudaEvent_t start_ = nullptr, stop_ = nullptr;
-  unsigned long long* nnz_host_ = nullptr;  // pinned copies of the last packing's counters
-  int32_t* spill_used_host_ = nullptr;
-  int64_t last_rows_ = 0;
+  Counters* counters_host_ = nullptr;             // pinned [kCounterSlots]
+  cudaEvent_t counters_ready_[kCounterSlots] = {};  // recorded after each slot's copy
+  int64_t slot_rows_[kCounterSlots] = {};
+  int64_t twell_calls_ = 0;  // TwELL calls issued; call c uses slot c % kCounterSlots
+  int64_t newest_read_ = -1;  // the newest call whose counters were read
 };
 
 }  // namespace twell::cuda

@@ -13,16 +13,14 @@ SparseFfn::SparseFfn(SparseFfnOptions options) : options_(options) {
                 options.compression);
   TWELL_CUDA_CHECK(cudaEventCreate(&start_));
   TWELL_CUDA_CHECK(cudaEventCreate(&stop_));
-  TWELL_CUDA_CHECK(cudaMallocHost(&nnz_host_, sizeof *nnz_host_));
-  TWELL_CUDA_CHECK(cudaMallocHost(&spill_used_host_, sizeof *spill_used_host_));
-  *nnz_host_ = 0;
-  *spill_used_host_ = 0;
+  TWELL_CUDA_CHECK(cudaMallocHost(&counters_host_, kCounterSlots * sizeof *counters_host_));
+  for (cudaEvent_t& ready : counters_ready_) TWELL_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
 }
 
 SparseFfn::~SparseFfn() {
-  cudaDeviceSynchronize();  // the pinned counters may still be written by the last call
-  cudaFreeHost(spill_used_host_);
-  cudaFreeHost(nnz_host_);
+  cudaDeviceSynchronize();  // the pinned counters may still be written by the last calls
+  for (cudaEvent_t ready : counters_ready_) cudaEventDestroy(ready);
+  cudaFreeHost(counters_host_);
   cudaEventDestroy(stop_);
   cudaEventDestroy(start_);
 }
@@ -40,59 +38,74 @@ int64_t SparseFfn::bucket_key(int64_t rows, double nnz_per_row) {
   return row_bucket * 64 + density_bucket + 1;
 }
 
+void SparseFfn::read_counters() {
+  const int64_t oldest_in_flight = std::max<int64_t>(newest_read_ + 1, twell_calls_ - kCounterSlots);
+  if (twell_calls_ >= kCounterSlots && newest_read_ < twell_calls_ - kCounterSlots)
+    TWELL_CUDA_CHECK(cudaEventSynchronize(counters_ready_[(twell_calls_ - kCounterSlots) % kCounterSlots]));
+  for (int64_t call = twell_calls_ - 1; call >= oldest_in_flight; --call) {
+    const int slot = static_cast<int>(call % kCounterSlots);
+    const cudaError_t state = cudaEventQuery(counters_ready_[slot]);
+    if (state == cudaErrorNotReady) continue;
+    TWELL_CUDA_CHECK(state);
+    const Counters counters = counters_host_[slot];
+    last_nnz_per_row_ = static_cast<double>(counters.nnz) / static_cast<double>(slot_rows_[slot]);
+    if (counters.spill_used > packed_.spill_capacity && !packed_.empty())
+      reserve(packed_, packed_.shape, counters.spill_used + counters.spill_used / 4);
+    newest_read_ = call;
+    return;
+  }
+}
+
 void SparseFfn::run_path(bool dense, const bf16* x, int64_t rows, const DeviceFfnWeights& weights, bf16* y,
                          cudaStream_t stream) {
   if (dense) {
     dense_.run(x, rows, weights, y, stream);
     return;
   }
-  // The last call's counters (copied asynchronously at its end) are ready once its work is; reading
-  // them here costs no synchronization when this stream has moved on, which is the common case.
-  if (last_rows_ > 0 && cudaEventQuery(stop_) != cudaErrorNotReady) {
-    last_nnz_per_row_ = static_cast<double>(*nnz_host_) / static_cast<double>(last_rows_);
-    if (*spill_used_host_ > packed_.spill_capacity && !packed_.empty())
-      reserve(packed_, packed_.shape, *spill_used_host_ + *spill_used_host_ / 4);
-  }
+  read_counters();  // also frees this call's slot
   gate_to_twell(x, rows, weights, options_.tile, options_.compression, packed_, stream);
   ffn_from_twell(x, packed_, weights, y, stream);
-  TWELL_CUDA_CHECK(cudaMemcpyAsync(nnz_host_, packed_.nnz_total.get(), sizeof *nnz_host_, cudaMemcpyDeviceToHost, stream));
+  const int slot = static_cast<int>(twell_calls_ % kCounterSlots);
+  Counters* counters = counters_host_ + slot;
   TWELL_CUDA_CHECK(
-      cudaMemcpyAsync(spill_used_host_, packed_.spill_used.get(), sizeof *spill_used_host_, cudaMemcpyDeviceToHost, stream));
-  last_rows_ = rows;
+      cudaMemcpyAsync(&counters->nnz, packed_.nnz_total.get(), sizeof counters->nnz, cudaMemcpyDeviceToHost, stream));
+  TWELL_CUDA_CHECK(cudaMemcpyAsync(&counters->spill_used, packed_.spill_used.get(), sizeof counters->spill_used,
+                                   cudaMemcpyDeviceToHost, stream));
+  TWELL_CUDA_CHECK(cudaEventRecord(counters_ready_[slot], stream));
+  slot_rows_[slot] = rows;
+  ++twell_calls_;
 }
 
 float SparseFfn::timed_run(bool dense, const bf16* x, int64_t rows, const DeviceFfnWeights& weights, bf16* y,
                            cudaStream_t stream) {
-  // The untimed first run takes the one-time costs (plans, allocations, kernel attributes) out; the
-  // fastest of kTimedRuns takes out a run slowed by something else (one sample flipped M = 1 at 2%).
-  constexpr int kTimedRuns = 3;
+  // The untimed first run takes the one-time costs (plans, allocations, kernel attributes) out.
+  constexpr int kTimedRuns = 5;
   run_path(dense, x, rows, weights, y, stream);
-  float fastest = 0;
-  for (int run = 0; run < kTimedRuns; ++run) {
+  float ms[kTimedRuns];
+  for (float& run_ms : ms) {
     TWELL_CUDA_CHECK(cudaEventRecord(start_, stream));
     run_path(dense, x, rows, weights, y, stream);
     TWELL_CUDA_CHECK(cudaEventRecord(stop_, stream));
     TWELL_CUDA_CHECK(cudaEventSynchronize(stop_));
-    float ms = 0;
-    TWELL_CUDA_CHECK(cudaEventElapsedTime(&ms, start_, stop_));
-    fastest = run == 0 ? ms : std::min(fastest, ms);
+    TWELL_CUDA_CHECK(cudaEventElapsedTime(&run_ms, start_, stop_));
   }
-  return fastest;
+  std::nth_element(ms, ms + kTimedRuns / 2, ms + kTimedRuns);
+  return ms[kTimedRuns / 2];
 }
 
 void SparseFfn::run(const bf16* x, int64_t rows, const DeviceFfnWeights& weights, bf16* y, cudaStream_t stream) {
   if (!options_.allow_dense) {
     run_path(false, x, rows, weights, y, stream);
-    TWELL_CUDA_CHECK(cudaEventRecord(stop_, stream));
     last_dense_ = false;
     return;
   }
+  read_counters();
   BucketTiming& timing = timings_[bucket_key(rows, last_nnz_per_row_)];
   if (timing.twell_ms < 0) {
     const float twell_ms = timed_run(false, x, rows, weights, y, stream);
-    // The key came from the previous call's density; the time belongs to the bucket of the density
+    // The key came from an earlier call's density; the time belongs to the bucket of the density
     // this call had (else a time measured at 0.5% could stand for 2% after the input changed).
-    last_nnz_per_row_ = static_cast<double>(*nnz_host_) / rows;
+    read_counters();  // the timed runs synchronized: the newest slot is this call's
     BucketTiming& measured = timings_[bucket_key(rows, last_nnz_per_row_)];
     if (measured.twell_ms < 0) measured.twell_ms = twell_ms;
     last_dense_ = false;
@@ -105,7 +118,6 @@ void SparseFfn::run(const bf16* x, int64_t rows, const DeviceFfnWeights& weights
   }
   last_dense_ = timing.dense_ms < timing.twell_ms;
   run_path(last_dense_, x, rows, weights, y, stream);
-  if (!last_dense_) TWELL_CUDA_CHECK(cudaEventRecord(stop_, stream));
 }
 
 }  // namespace twell::cuda
