@@ -150,20 +150,30 @@ TEST_P(DecodeTest, GatesMatchReferencePrediction) {
   }
 }
 
-void DecodeTest::expect_reference_prediction_at_a_gap(PredictorKind kind) {
-  const std::vector<double> scores = kind == PredictorKind::two_bit_gate ? ref::two_bit_gate(work_.x.data(), rows(), signs_)
-                                     : kind == PredictorKind::normalized_one_bit_gate
-                                         ? ref::normalized_one_bit_gate(work_.x.data(), rows(), signs_)
-                                         : ref::one_bit_gate(work_.x.data(), rows(), signs_);
+// A gate's reference scores [M, H].
+std::vector<double> reference_scores(PredictorKind kind, const float* x, int64_t rows, const SignBits& signs) {
+  return kind == PredictorKind::two_bit_gate            ? ref::two_bit_gate(x, rows, signs)
+         : kind == PredictorKind::normalized_one_bit_gate ? ref::normalized_one_bit_gate(x, rows, signs)
+                                                          : ref::one_bit_gate(x, rows, signs);
+}
+
+// A margin in the widest gap among the upper half of the reference scores, so that rounding of the
+// fp32 score cannot move a pair across it; NaN when there is no gap wide enough.
+double margin_at_a_gap(const std::vector<double>& scores) {
   std::vector<double> sorted = scores;
   std::sort(sorted.begin(), sorted.end());
   const double spread = sorted.back() - sorted.front();
-  // The widest gap among the upper half of the scores.
   size_t best = sorted.size() / 2;
   for (size_t i = sorted.size() / 2; i + 1 < sorted.size(); ++i)
     if (sorted[i + 1] - sorted[i] > sorted[best + 1] - sorted[best]) best = i;
-  ASSERT_GT(sorted[best + 1] - sorted[best], 1e-4 * spread) << "no gap wide enough for an unambiguous margin";
-  const double margin = -0.5 * (sorted[best] + sorted[best + 1]);
+  if (!(sorted[best + 1] - sorted[best] > 1e-4 * spread)) return std::nan("");
+  return -0.5 * (sorted[best] + sorted[best + 1]);
+}
+
+void DecodeTest::expect_reference_prediction_at_a_gap(PredictorKind kind) {
+  const std::vector<double> scores = reference_scores(kind, work_.x.data(), rows(), signs_);
+  const double margin = margin_at_a_gap(scores);
+  ASSERT_FALSE(std::isnan(margin)) << "no gap wide enough for an unambiguous margin";
   std::vector<uint8_t> mask(scores.size());
   for (size_t i = 0; i < scores.size(); ++i) mask[i] = scores[i] >= -margin;  // the rule of every gate
   const int64_t predicted = std::count(mask.begin(), mask.end(), 1);
@@ -195,63 +205,96 @@ class PredictorScoresTest : public testing::TestWithParam<cpu::Isa> {
   cpu::Isa previous_ = cpu::Isa::scalar;
 };
 
+// Column sets for the exact-column cases of a K-column matrix (K >= 33): none, the first, the last,
+// and kMaxExactColumns spread over the row, first and last included.
+std::vector<std::vector<int32_t>> exact_column_sets(int32_t cols) {
+  return {{}, {0}, {cols - 1}, {0, 7, 12, 20, 25, 30, cols - 2, cols - 1}};
+}
+
+// x [rows, cols] row m's sum of |x| and norm over the columns not in `exact_columns`, and the sum of
+// |x·exact weight| of neuron j: the scales of the fp32 rounding error of its scores.
+struct RowScales {
+  double abs_sum = 0, norm = 0;
+};
+RowScales approximated_row_scales(const float* x_row, int32_t cols, const std::vector<int32_t>& exact_columns) {
+  RowScales scales;
+  for (int32_t k = 0; k < cols; ++k) {
+    if (std::find(exact_columns.begin(), exact_columns.end(), k) != exact_columns.end()) continue;
+    scales.abs_sum += std::abs(x_row[k]);
+    scales.norm += static_cast<double>(x_row[k]) * x_row[k];
+  }
+  scales.norm = std::sqrt(scales.norm);
+  return scales;
+}
+double exact_part_magnitude(const float* x_row, const SignBits& signs, int32_t j) {
+  const size_t count = signs.exact_columns.size();
+  double sum = 0;
+  for (size_t c = 0; c < count; ++c)
+    sum += std::abs(static_cast<double>(x_row[signs.exact_columns[c]]) * signs.exact_weights[j * count + c]);
+  return sum;
+}
+
 TEST_P(PredictorScoresTest, CountsAndScoresMatchReference) {
   for (auto [rows, cols, hidden] : {std::tuple{1, 64, 40}, std::tuple{3, 33, 17}, std::tuple{16, 1000, 123},
-                                    std::tuple{5, 2048, 64}, std::tuple{2, 4099, 9}}) {
-    SCOPED_TRACE(fmt::format("M {} D {} H {}", rows, cols, hidden));
-    WorkloadSpec spec{.rows = rows, .d_model = cols, .d_hidden = hidden, .density = 0.3, .seed = 11u + cols};
-    Workload work = make_workload(spec);
-    // Exact zeros and negative zeros in x: both must count as positive signs.
-    for (int i = 1; i < cols * rows; i += 7) work.x[i] = (i % 2) ? -0.0f : 0.0f;
-    const SignBits signs = pack_sign_bits(work.weights.gate.data(), hidden, cols);
-    const SignBits x_signs = pack_sign_bits(work.x.data(), rows, cols);
+                                    std::tuple{5, 2048, 64}, std::tuple{2, 4099, 9}, std::tuple{9, 97, 31}})
+    for (const std::vector<int32_t>& exact_columns : exact_column_sets(cols)) {
+      SCOPED_TRACE(
+          fmt::format("M {} D {} H {} exact columns [{}]", rows, cols, hidden, fmt::join(exact_columns, ", ")));
+      WorkloadSpec spec{.rows = rows, .d_model = cols, .d_hidden = hidden, .density = 0.3, .seed = 11u + cols};
+      Workload work = make_workload(spec);
+      // Exact zeros and negative zeros in x: both must count as positive signs.
+      for (int i = 1; i < cols * rows; i += 7) work.x[i] = (i % 2) ? -0.0f : 0.0f;
+      const SignBits signs = pack_sign_bits(work.weights.gate.data(), hidden, cols, exact_columns);
+      const SignBits x_signs = pack_sign_bits(work.x.data(), rows, cols);
 
-    std::vector<int32_t> counts(static_cast<size_t>(rows) * hidden, -7);
-    cpu::negative_sign_products(work.x.data(), rows, signs, counts.data());
-    EXPECT_EQ(counts, ref::negative_sign_products(x_signs, signs));
+      std::vector<int32_t> counts(static_cast<size_t>(rows) * hidden, -7);
+      cpu::negative_sign_products(work.x.data(), rows, signs, counts.data());
+      EXPECT_EQ(counts, ref::negative_sign_products(x_signs, signs)) << "the sign rule reads every column";
 
-    std::vector<float> scores(counts.size(), std::numeric_limits<float>::quiet_NaN());
-    cpu::one_bit_gate(work.x.data(), rows, signs, scores.data());
-    const std::vector<double> expected = ref::one_bit_gate(work.x.data(), rows, signs);
-    for (int m = 0; m < rows; ++m) {
-      double abs_sum = 0;  // the natural scale of the rounding error of Σ ±x
-      for (int k = 0; k < cols; ++k) abs_sum += std::abs(work.x[m * cols + k]);
-      for (int j = 0; j < hidden; ++j) {
-        const size_t i = static_cast<size_t>(m) * hidden + j;
-        ASSERT_NEAR(scores[i], expected[i], 1e-6 * signs.scale[j] * abs_sum + 1e-30) << "row " << m << " neuron " << j;
-      }
-    }
-
-    // The normalized gates: z = score / (residual_j·||x||). The fp32 masked sums are off by ~1e-7 of
-    // Σ|x| each, times the scale that weighs them (one sum for the one-bit gate, three for two-bit).
-    using Scores = void (*)(const float*, int64_t, const SignBits&, float*);
-    using ReferenceScores = std::vector<double> (*)(const float*, int64_t, const SignBits&);
-    const auto expect_normalized = [&](const char* name, Scores scores_of, ReferenceScores reference,
-                                       const std::vector<float>& residual, const std::function<double(int)>& weight) {
-      SCOPED_TRACE(name);
-      std::vector<float> z(counts.size(), std::numeric_limits<float>::quiet_NaN());
-      scores_of(work.x.data(), rows, signs, z.data());
-      const std::vector<double> expected_z = reference(work.x.data(), rows, signs);
+      std::vector<float> scores(counts.size(), std::numeric_limits<float>::quiet_NaN());
+      cpu::one_bit_gate(work.x.data(), rows, signs, scores.data());
+      const std::vector<double> expected = ref::one_bit_gate(work.x.data(), rows, signs);
       for (int m = 0; m < rows; ++m) {
-        double abs_sum = 0, square_sum = 0;
-        for (int k = 0; k < cols; ++k) {
-          abs_sum += std::abs(work.x[m * cols + k]);
-          square_sum += static_cast<double>(work.x[m * cols + k]) * work.x[m * cols + k];
-        }
+        // Σ|x| is the natural scale of the rounding error of Σ ±x.
+        const RowScales row = approximated_row_scales(work.x.data() + m * cols, cols, exact_columns);
         for (int j = 0; j < hidden; ++j) {
           const size_t i = static_cast<size_t>(m) * hidden + j;
-          const double unit = residual[j] * std::sqrt(square_sum);
-          ASSERT_GT(unit, 0) << "random rows are not exactly their approximation";
-          ASSERT_NEAR(z[i], expected_z[i], 1e-6 * weight(j) * abs_sum / unit + 1e-5 * std::abs(expected_z[i]))
+          ASSERT_NEAR(scores[i], expected[i],
+                      1e-6 * (signs.scale[j] * row.abs_sum + exact_part_magnitude(work.x.data() + m * cols, signs, j)) +
+                          1e-30)
               << "row " << m << " neuron " << j;
         }
       }
-    };
-    expect_normalized("one-bit-norm", cpu::normalized_one_bit_gate, ref::normalized_one_bit_gate, signs.residual,
-                      [&](int j) { return signs.scale[j]; });
-    expect_normalized("two-bit-norm", cpu::two_bit_gate, ref::two_bit_gate, signs.two_bit_residual,
-                      [&](int j) { return signs.small_scale[j] + 3 * signs.large_scale[j]; });
-  }
+
+      // The normalized gates: z = score / (residual_j·||x||). The fp32 masked sums are off by ~1e-7 of
+      // Σ|x| each, times the scale that weighs them (one sum for the one-bit gate, three for two-bit).
+      using Scores = void (*)(const float*, int64_t, const SignBits&, float*);
+      using ReferenceScores = std::vector<double> (*)(const float*, int64_t, const SignBits&);
+      const auto expect_normalized = [&](const char* name, Scores scores_of, ReferenceScores reference,
+                                         const std::vector<float>& residual, const std::function<double(int)>& weight) {
+        SCOPED_TRACE(name);
+        std::vector<float> z(counts.size(), std::numeric_limits<float>::quiet_NaN());
+        scores_of(work.x.data(), rows, signs, z.data());
+        const std::vector<double> expected_z = reference(work.x.data(), rows, signs);
+        for (int m = 0; m < rows; ++m) {
+          const RowScales row = approximated_row_scales(work.x.data() + m * cols, cols, exact_columns);
+          for (int j = 0; j < hidden; ++j) {
+            const size_t i = static_cast<size_t>(m) * hidden + j;
+            const double unit = residual[j] * row.norm;
+            ASSERT_GT(unit, 0) << "random rows are not exactly their approximation";
+            ASSERT_NEAR(z[i], expected_z[i],
+                        1e-6 * (weight(j) * row.abs_sum + exact_part_magnitude(work.x.data() + m * cols, signs, j)) /
+                                unit +
+                            1e-5 * std::abs(expected_z[i]))
+                << "row " << m << " neuron " << j;
+          }
+        }
+      };
+      expect_normalized("one-bit-norm", cpu::normalized_one_bit_gate, ref::normalized_one_bit_gate, signs.residual,
+                        [&](int j) { return signs.scale[j]; });
+      expect_normalized("two-bit-norm", cpu::two_bit_gate, ref::two_bit_gate, signs.two_bit_residual,
+                        [&](int j) { return signs.small_scale[j] + 3 * signs.large_scale[j]; });
+    }
 }
 
 // The predictors score a block of up to kDecodeMaxRows tokens in one pass over each neuron's bit
@@ -269,35 +312,89 @@ TEST_P(PredictorScoresTest, BlockScoresEqualOneTokenScores) {
   // M across the row-group sizes of every ISA (4, 2, 1) and past one block (17, 40 > kDecodeMaxRows).
   for (auto [rows, cols, hidden] : {std::tuple{2, 64, 19}, std::tuple{3, 33, 17}, std::tuple{5, 1000, 23},
                                     std::tuple{7, 97, 31}, std::tuple{16, 2048, 29}, std::tuple{17, 130, 11},
-                                    std::tuple{40, 257, 13}}) {
-    SCOPED_TRACE(testing::Message() << "M " << rows << " D " << cols << " H " << hidden);
-    std::mt19937 rng(rows * 131 + cols + hidden);
-    std::normal_distribution<float> normal;
-    std::vector<float> x(static_cast<size_t>(rows) * cols), weights(static_cast<size_t>(hidden) * cols);
-    for (float& v : x) v = normal(rng);
-    for (float& v : weights) v = normal(rng);
-    for (size_t i = 3; i < x.size(); i += 11) x[i] = (i % 2) ? -0.0f : 0.0f;
-    const SignBits signs = pack_sign_bits(weights.data(), hidden, cols);
-    const size_t pairs = static_cast<size_t>(rows) * hidden;
+                                    std::tuple{40, 257, 13}})
+    for (const std::vector<int32_t>& exact_columns : {std::vector<int32_t>{}, std::vector<int32_t>{0, 5, cols - 1}}) {
+      SCOPED_TRACE(testing::Message() << "M " << rows << " D " << cols << " H " << hidden << " exact columns "
+                                      << exact_columns.size());
+      std::mt19937 rng(rows * 131 + cols + hidden);
+      std::normal_distribution<float> normal;
+      std::vector<float> x(static_cast<size_t>(rows) * cols), weights(static_cast<size_t>(hidden) * cols);
+      for (float& v : x) v = normal(rng);
+      for (float& v : weights) v = normal(rng);
+      for (size_t i = 3; i < x.size(); i += 11) x[i] = (i % 2) ? -0.0f : 0.0f;
+      const SignBits signs = pack_sign_bits(weights.data(), hidden, cols, exact_columns);
+      const size_t pairs = static_cast<size_t>(rows) * hidden;
 
-    std::vector<int32_t> counts(pairs, -7), counts_alone(pairs, -7);
-    cpu::negative_sign_products(x.data(), rows, signs, counts.data());
-    for (int m = 0; m < rows; ++m)
-      cpu::negative_sign_products(x.data() + static_cast<size_t>(m) * cols, 1, signs,
-                                  counts_alone.data() + static_cast<size_t>(m) * hidden);
-    EXPECT_EQ(counts, counts_alone);
-
-    using Scores = void (*)(const float*, int64_t, const SignBits&, float*);
-    for (auto [name, scores_of] : {std::pair<const char*, Scores>{"one-bit", cpu::one_bit_gate},
-                                   std::pair<const char*, Scores>{"one-bit-norm", cpu::normalized_one_bit_gate},
-                                   std::pair<const char*, Scores>{"two-bit-norm", cpu::two_bit_gate}}) {
-      std::vector<float> block(pairs, std::numeric_limits<float>::quiet_NaN()), alone = block;
-      scores_of(x.data(), rows, signs, block.data());
+      std::vector<int32_t> counts(pairs, -7), counts_alone(pairs, -7);
+      cpu::negative_sign_products(x.data(), rows, signs, counts.data());
       for (int m = 0; m < rows; ++m)
-        scores_of(x.data() + static_cast<size_t>(m) * cols, 1, signs, alone.data() + static_cast<size_t>(m) * hidden);
-      expect_same_bits(block, alone, name);
+        cpu::negative_sign_products(x.data() + static_cast<size_t>(m) * cols, 1, signs,
+                                    counts_alone.data() + static_cast<size_t>(m) * hidden);
+      EXPECT_EQ(counts, counts_alone);
+
+      using Scores = void (*)(const float*, int64_t, const SignBits&, float*);
+      for (auto [name, scores_of] : {std::pair<const char*, Scores>{"one-bit", cpu::one_bit_gate},
+                                     std::pair<const char*, Scores>{"one-bit-norm", cpu::normalized_one_bit_gate},
+                                     std::pair<const char*, Scores>{"two-bit-norm", cpu::two_bit_gate}}) {
+        std::vector<float> block(pairs, std::numeric_limits<float>::quiet_NaN()), alone = block;
+        scores_of(x.data(), rows, signs, block.data());
+        for (int m = 0; m < rows; ++m)
+          scores_of(x.data() + static_cast<size_t>(m) * cols, 1, signs, alone.data() + static_cast<size_t>(m) * hidden);
+        expect_same_bits(block, alone, name);
+      }
     }
-  }
+}
+
+// The CPU decode FFN with exact columns on the standard workload (the threshold column 0 exact):
+// at a conservative margin it drops no active neuron and equals the exact FFN while predicting far
+// from all of them; at a lossy margin in a gap of the reference scores it equals the reference
+// decode FFN with the reference's prediction.
+TEST_P(PredictorScoresTest, DecodeFfnWithExactColumnsMatchesReference) {
+  for (auto [rows, cols, hidden, density] : {std::tuple{1, 100, 257, 0.05}, std::tuple{7, 333, 500, 0.02},
+                                             std::tuple{16, 1000, 301, 0.01}})
+    for (const std::vector<int32_t>& exact_columns : {std::vector<int32_t>{0}, std::vector<int32_t>{0, 5, cols - 1}}) {
+      SCOPED_TRACE(
+          fmt::format("M {} D {} H {} exact columns [{}]", rows, cols, hidden, fmt::join(exact_columns, ", ")));
+      const Workload work = make_workload(
+          {.rows = rows, .d_model = cols, .d_hidden = hidden, .density = density, .seed = 31u + cols});
+      const SignBits signs = pack_sign_bits(work.weights.gate.data(), hidden, cols, exact_columns);
+      const std::vector<double> exact_ffn = ref::ffn_dense(work.x.data(), rows, work.weights);
+      std::vector<float> y(static_cast<size_t>(rows) * cols);
+      cpu::DecodeScratch scratch;
+      for (PredictorKind kind :
+           {PredictorKind::one_bit_gate, PredictorKind::normalized_one_bit_gate, PredictorKind::two_bit_gate}) {
+        SCOPED_TRACE(to_string(kind));
+        const std::vector<double> scores = reference_scores(kind, work.x.data(), rows, signs);
+        const std::vector<double> projection = ref::relu_projection(work.x.data(), rows, work.weights);
+        double lowest_active = std::numeric_limits<double>::infinity();
+        for (size_t i = 0; i < scores.size(); ++i)
+          if (projection[i] > 0) lowest_active = std::min(lowest_active, scores[i]);
+        ASSERT_TRUE(std::isfinite(lowest_active)) << "the case must have active neurons";
+        // Conservative: every active pair's score clears it with room for fp32 rounding.
+        const double conservative = -lowest_active + 0.1 * std::abs(lowest_active) + 1e-3;
+        test::poison(y, y.size());
+        DecodeStats stats = cpu::decode_ffn(work.x.data(), rows, work.weights, signs,
+                                            PredictorConfig{kind, 1.0, conservative}, y.data(), scratch,
+                                            {.count_missed = true});
+        EXPECT_EQ(stats.missed, 0);
+        EXPECT_LT(stats.predicted, rows * hidden / 2) << "the exact threshold column must let the gate skip neurons";
+        EXPECT_TRUE(test::near_relative_l2("y", y.data(), exact_ffn.data(), exact_ffn.size(), kFp32Tolerance));
+
+        const double lossy = margin_at_a_gap(scores);
+        ASSERT_FALSE(std::isnan(lossy)) << "no gap wide enough for an unambiguous margin";
+        std::vector<uint8_t> mask(scores.size());
+        for (size_t i = 0; i < scores.size(); ++i) mask[i] = scores[i] >= -lossy;
+        const std::vector<double> expected = ref::decode_ffn(work.x.data(), rows, work.weights, mask);
+        test::poison(y, y.size());
+        stats = cpu::decode_ffn(work.x.data(), rows, work.weights, signs, PredictorConfig{kind, 1.0, lossy}, y.data(),
+                                scratch);
+        EXPECT_EQ(stats.predicted, std::count(mask.begin(), mask.end(), 1));
+        double norm = 0;
+        for (double v : expected) norm += v * v;
+        if (norm > 0)
+          EXPECT_TRUE(test::near_relative_l2("y", y.data(), expected.data(), expected.size(), kFp32Tolerance));
+      }
+    }
 }
 
 INSTANTIATE_TEST_SUITE_P(Isas, PredictorScoresTest,
@@ -306,60 +403,82 @@ INSTANTIATE_TEST_SUITE_P(Isas, PredictorScoresTest,
 
 // ---- Sign bits, thresholds, calibration, bad input -------------------------------------------------
 
+// The planes and scales from their definitions, with and without exact columns: bits over every
+// column, the rest over the approximated (non-exact) columns only.
 TEST(DecodeSignBits, PackingIsBitExact) {
   for (auto [rows, cols] : {std::pair{1, 1}, std::pair{3, 31}, std::pair{2, 32}, std::pair{4, 33}, std::pair{5, 100}}) {
-    std::mt19937 rng(rows * 1000 + cols);
-    std::normal_distribution<float> normal;
-    std::vector<float> matrix(static_cast<size_t>(rows) * cols);
-    for (float& v : matrix) v = normal(rng);
-    matrix[0] = -0.0f;
-    if (matrix.size() > 2) matrix[2] = 0.0f;
-    const SignBits packed = pack_sign_bits(matrix.data(), rows, cols);
-    ASSERT_EQ(packed.bits.size(), static_cast<size_t>(rows) * sign_words_per_row(cols));
-    for (int r = 0; r < rows; ++r) {
-      double abs_sum = 0;
-      for (int k = 0; k < sign_words_per_row(cols) * 32; ++k) {
-        const bool bit = (packed.bits[r * sign_words_per_row(cols) + k / 32] >> (k % 32)) & 1u;
-        const bool negative = k < cols && matrix[r * cols + k] < 0.0f;  // -0.0 is not negative
-        ASSERT_EQ(bit, negative) << "row " << r << " column " << k;
-        if (k < cols) abs_sum += std::abs(matrix[r * cols + k]);
-      }
-      EXPECT_EQ(packed.scale[r], static_cast<float>(abs_sum / cols));
-      double residual_squares = 0;  // straight from the definition: A − scale·sign(A)
-      for (int k = 0; k < cols; ++k) {
-        const double a = matrix[r * cols + k];
-        residual_squares += std::pow(a - (a < 0 ? -1.0 : 1.0) * (abs_sum / cols), 2);
-      }
-      EXPECT_NEAR(packed.residual[r], std::sqrt(residual_squares / cols), 1e-6 * (abs_sum / cols) + 1e-7);
+    std::vector<std::vector<int32_t>> column_sets = {{}};
+    if (cols >= 2) column_sets.insert(column_sets.end(), {{0}, {cols - 1}});
+    if (cols >= 33) column_sets.push_back(exact_column_sets(cols).back());
+    for (const std::vector<int32_t>& exact_columns : column_sets) {
+      SCOPED_TRACE(fmt::format("R {} K {} exact columns [{}]", rows, cols, fmt::join(exact_columns, ", ")));
+      std::mt19937 rng(rows * 1000 + cols);
+      std::normal_distribution<float> normal;
+      std::vector<float> matrix(static_cast<size_t>(rows) * cols);
+      for (float& v : matrix) v = normal(rng);
+      matrix[0] = -0.0f;
+      if (matrix.size() > 2) matrix[2] = 0.0f;
+      const SignBits packed = pack_sign_bits(matrix.data(), rows, cols, exact_columns);
+      const int32_t words = sign_words_per_row(cols);
+      const auto is_exact = [&](int k) {
+        return std::find(exact_columns.begin(), exact_columns.end(), k) != exact_columns.end();
+      };
+      const int approximated = cols - static_cast<int>(exact_columns.size());
+      ASSERT_EQ(packed.bits.size(), static_cast<size_t>(rows) * words);
+      ASSERT_EQ(packed.exact_columns, exact_columns);
+      ASSERT_EQ(packed.exact_weights.size(), static_cast<size_t>(rows) * exact_columns.size());
+      for (int r = 0; r < rows; ++r) {
+        for (size_t c = 0; c < exact_columns.size(); ++c)
+          ASSERT_EQ(packed.exact_weights[r * exact_columns.size() + c], matrix[r * cols + exact_columns[c]]);
+        double abs_sum = 0;
+        for (int k = 0; k < words * 32; ++k) {
+          const bool bit = (packed.bits[r * words + k / 32] >> (k % 32)) & 1u;
+          const bool negative = k < cols && matrix[r * cols + k] < 0.0f;  // -0.0 is not negative
+          ASSERT_EQ(bit, negative) << "row " << r << " column " << k;
+          if (k < cols && !is_exact(k)) abs_sum += std::abs(matrix[r * cols + k]);
+        }
+        const double scale = abs_sum / approximated;
+        EXPECT_EQ(packed.scale[r], static_cast<float>(scale));
+        double residual_squares = 0;  // straight from the definition: A − scale·sign(A)
+        for (int k = 0; k < cols; ++k) {
+          if (is_exact(k)) continue;
+          const double a = matrix[r * cols + k];
+          residual_squares += std::pow(a - (a < 0 ? -1.0 : 1.0) * scale, 2);
+        }
+        EXPECT_NEAR(packed.residual[r], std::sqrt(residual_squares / approximated), 1e-6 * scale + 1e-7);
 
-      // The two-bit planes, from the definition: large iff |a| > the element at index ⌊3K/5⌋ of the sorted |a|.
-      std::vector<double> magnitudes;
-      for (int k = 0; k < cols; ++k) magnitudes.push_back(std::abs(matrix[r * cols + k]));
-      std::vector<double> sorted = magnitudes;
-      std::sort(sorted.begin(), sorted.end());
-      const double split = sorted[cols * 3 / 5];
-      double large_sum = 0, small_sum = 0;
-      int large_count = 0;
-      for (int k = 0; k < sign_words_per_row(cols) * 32; ++k) {
-        const size_t word = r * sign_words_per_row(cols) + k / 32;
-        const bool large = (packed.large[word] >> (k % 32)) & 1u;
-        const bool expected_large = k < cols && magnitudes[k] > split;
-        ASSERT_EQ(large, expected_large) << "row " << r << " column " << k;
-        if (k >= cols) continue;
-        (large ? large_sum : small_sum) += magnitudes[k];
-        large_count += large;
+        // The two-bit planes, from the definition: large iff approximated and |a| > the element at
+        // index ⌊3(K − c)/5⌋ of the approximated columns' sorted |a|.
+        std::vector<double> magnitudes, sorted;
+        for (int k = 0; k < cols; ++k) {
+          magnitudes.push_back(std::abs(matrix[r * cols + k]));
+          if (!is_exact(k)) sorted.push_back(magnitudes.back());
+        }
+        std::sort(sorted.begin(), sorted.end());
+        const double split = sorted[approximated * 3 / 5];
+        double large_sum = 0, small_sum = 0;
+        int large_count = 0;
+        for (int k = 0; k < words * 32; ++k) {
+          const bool large = (packed.large[r * words + k / 32] >> (k % 32)) & 1u;
+          const bool expected_large = k < cols && !is_exact(k) && magnitudes[k] > split;
+          ASSERT_EQ(large, expected_large) << "row " << r << " column " << k;
+          if (k >= cols || is_exact(k)) continue;
+          (large ? large_sum : small_sum) += magnitudes[k];
+          large_count += large;
+        }
+        const double large_scale = large_count == 0 ? 0.0 : large_sum / large_count;
+        const double small_scale = small_sum / (approximated - large_count);
+        EXPECT_NEAR(packed.large_scale[r], large_scale, 1e-6 * large_scale);
+        EXPECT_NEAR(packed.small_scale[r], small_scale, 1e-6 * small_scale);
+        double two_bit_squares = 0;
+        for (int k = 0; k < cols; ++k) {
+          if (is_exact(k)) continue;
+          const double a = matrix[r * cols + k];
+          const double approximation = (a < 0 ? -1.0 : 1.0) * (magnitudes[k] > split ? large_scale : small_scale);
+          two_bit_squares += (a - approximation) * (a - approximation);
+        }
+        EXPECT_NEAR(packed.two_bit_residual[r], std::sqrt(two_bit_squares / approximated), 1e-6 * scale + 1e-7);
       }
-      const double large_scale = large_count == 0 ? 0.0 : large_sum / large_count;
-      const double small_scale = small_sum / (cols - large_count);
-      EXPECT_NEAR(packed.large_scale[r], large_scale, 1e-6 * large_scale);
-      EXPECT_NEAR(packed.small_scale[r], small_scale, 1e-6 * small_scale);
-      double two_bit_squares = 0;
-      for (int k = 0; k < cols; ++k) {
-        const double a = matrix[r * cols + k];
-        const double approximation = (a < 0 ? -1.0 : 1.0) * (magnitudes[k] > split ? large_scale : small_scale);
-        two_bit_squares += (a - approximation) * (a - approximation);
-      }
-      EXPECT_NEAR(packed.two_bit_residual[r], std::sqrt(two_bit_squares / cols), 1e-6 * (abs_sum / cols) + 1e-7);
     }
   }
 }
@@ -378,6 +497,14 @@ TEST(DecodeSignBits, PackedSizeIsTheFormats) {
     EXPECT_EQ(packed.bytes(), static_cast<int64_t>(plane_words) * 2 * 4 + static_cast<int64_t>(rows) * 5 * 4)
         << "R " << rows << " K " << cols;
     EXPECT_EQ(packed.bytes(), sign_bits_bytes(rows, cols));
+    if (cols < 2) continue;
+    // With exact columns: a float per row and an index per column more.
+    const std::vector<int32_t> exact_columns = cols >= 33 ? exact_column_sets(cols).back() : std::vector<int32_t>{0};
+    const int32_t count = static_cast<int32_t>(exact_columns.size());
+    const SignBits exact = pack_sign_bits(matrix.data(), rows, cols, exact_columns);
+    EXPECT_EQ(exact.bytes(), packed.bytes() + static_cast<int64_t>(rows) * count * 4 + count * 4)
+        << "R " << rows << " K " << cols;
+    EXPECT_EQ(exact.bytes(), sign_bits_bytes(rows, cols, count));
   }
 }
 

@@ -368,6 +368,21 @@ TEST(SignBitsFormat, WorkedExampleOfTheDocs) {
   EXPECT_FLOAT_EQ(packed.large_scale[0], 2.5f);
   EXPECT_FLOAT_EQ(packed.two_bit_residual[0], 0.2192075f);
   EXPECT_EQ(packed.bytes(), 36);  // 2 planes x 2 words x 4 bytes + 5 floats
+  EXPECT_TRUE(packed.exact_columns.empty() && packed.exact_weights.empty());
+
+  // The same row with column 33 kept exactly.
+  const SignBits exact = pack_sign_bits(row.data(), 1, 35, {33});
+  EXPECT_EQ(exact.bits, packed.bits) << "the sign plane holds every column";
+  EXPECT_EQ(exact.exact_columns, (std::vector<int32_t>{33}));
+  EXPECT_EQ(exact.exact_weights, (std::vector<float>{-3.0f}));
+  EXPECT_FLOAT_EQ(exact.scale[0], 0.9852941f);
+  EXPECT_FLOAT_EQ(exact.residual[0], 0.2568272f);
+  EXPECT_EQ(exact.large, (std::vector<uint32_t>{0x00000002u, 0x00000000u}));
+  EXPECT_FLOAT_EQ(exact.small_scale[0], 0.9545455f);
+  EXPECT_FLOAT_EQ(exact.large_scale[0], 2.0f);
+  EXPECT_FLOAT_EQ(exact.two_bit_residual[0], 0.1864386f);
+  EXPECT_EQ(exact.bytes(), 44);
+  EXPECT_EQ(exact.bytes(), sign_bits_bytes(1, 35, 1));
 }
 
 TEST(SignBitsFormat, RefusesNanAndBadShapes) {
@@ -376,6 +391,21 @@ TEST(SignBitsFormat, RefusesNanAndBadShapes) {
   expect_error([&] { pack_sign_bits(matrix.data(), 2, 40); }, "element [1, 33] is NaN");
   expect_error([&] { pack_sign_bits(matrix.data(), 0, 40); }, "rows (R) must be >= 1, got 0");
   expect_error([&] { pack_sign_bits(matrix.data(), 2, 0); }, "cols (K) must be >= 1, got 0");
+}
+
+TEST(SignBitsFormat, RefusesBadExactColumns) {
+  std::vector<float> matrix(2 * 40, 1.0f);
+  const auto pack = [&](std::vector<int32_t> columns, int32_t cols = 40) {
+    return [&matrix, columns, cols] { pack_sign_bits(matrix.data(), 2, cols, columns); };
+  };
+  expect_error(pack({3, 3}), "ascending and distinct: entry 1 is 3 after 3");
+  expect_error(pack({5, 2}), "ascending and distinct: entry 1 is 2 after 5");
+  expect_error(pack({0, 40}), "column 40 (entry 1) lies outside [0, K = 40)");
+  expect_error(pack({-1}), "column -1 (entry 0) lies outside [0, K = 40)");
+  expect_error(pack({0, 1, 2, 3, 4, 5, 6, 7, 8}), "at most 8 (kMaxExactColumns), got 9");
+  expect_error(pack({0, 1}, 2), "2 of K = 2 columns leaves none to approximate");
+  EXPECT_NO_THROW(pack({0, 39})());
+  EXPECT_NO_THROW(pack({0}, 2)());
 }
 
 }  // namespace

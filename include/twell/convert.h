@@ -29,7 +29,12 @@ std::vector<bf16> dense_from_hybrid(const HybridMatrix& hybrid);
 // Checks every invariant of docs/formats.md; throws on the first violation.
 void validate(const HybridMatrix& hybrid);
 
-// Sign bits of A [R, K] (fp32 storage); refuses NaN.
-SignBits pack_sign_bits(const float* matrix, int32_t rows, int32_t cols);
+// Sign bits of A [R, K] (fp32 storage), keeping the columns `exact_columns` exactly
+// (formats/sign_bits.h); refuses NaN and a bad column list (validate_exact_columns).
+SignBits pack_sign_bits(const float* matrix, int32_t rows, int32_t cols,
+                        const std::vector<int32_t>& exact_columns = {});
+// Throws naming the problem unless `columns` is a valid exact-column list for K = cols: ascending,
+// distinct, each in [0, K), at most kMaxExactColumns, and fewer than K (some column is approximated).
+void validate_exact_columns(const std::vector<int32_t>& columns, int32_t cols);
 
 }  // namespace twell

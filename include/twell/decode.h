@@ -27,6 +27,12 @@
 //                 active iff >= −margin. Twice the predictor's bits (on the CPU one pass over both
 //                 planes, three masked sums of x per neuron: sign, large, and large AND sign), ~4x
 //                 fewer kept neurons than one-bit-norm on a real model. CPU only so far.
+// Exact columns (the sign-bits format's exact_columns): the three gates add Σ_c x[m, col_c]·W[j, col_c]
+// over a handful of columns of W kept exactly, approximate only the other columns (scale_j, the
+// residuals and the large plane cover those), and take ||x[m]|| over those other columns. Where one
+// input channel carries much of the signal (the synthetic workload's threshold column, where x = 1
+// meets W[j, 0] = −t_j; an LLM's "massive activation" channels), the bits cannot see it, and keeping it
+// exact shrinks the kept set several fold at the same recall. The sign rule ignores them.
 // Each is a per-layer setting, chosen by calibrate_predictor for a target recall. On the CPU every
 // predictor scores all M tokens of a step in one pass over each neuron's bit words.
 //
@@ -119,10 +125,11 @@ void two_bit_gate(const float* x, int64_t rows, const SignBits& signs, float* sc
 
 // Buffers reused across calls (grown, never shrunk); a call allocates only to grow them.
 struct DecodeScratch {
-  std::vector<float> x_padded;      // [M, 32·words] x with zeros past D
+  std::vector<float> x_padded;      // [M, 32·words] x with zeros past D and at the exact columns
+  std::vector<float> x_exact;       // [M, c] x at the signs' exact columns
   std::vector<uint32_t> x_signs;    // [M, words]
-  std::vector<float> row_sums;      // [M] Σ_k x[m, k]
-  std::vector<float> row_norms;     // [M] ||x[m, :]||₂
+  std::vector<float> row_sums;      // [M] Σ_k x[m, k] over the approximated columns
+  std::vector<float> row_norms;     // [M] ||x[m, :]||₂ over the approximated columns
   struct ActiveNeuron {
     int32_t row;
     int32_t neuron;

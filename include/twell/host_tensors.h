@@ -68,14 +68,19 @@ struct SignBits {
   std::vector<float> small_scale;        // [R] mean |A[r, k]| over the elements not large
   std::vector<float> large_scale;        // [R] mean |A[r, k]| over the large elements (0 when none)
   std::vector<float> two_bit_residual;   // [R] rms of A[r, :] − its two-bit approximation
+  // Columns kept exactly (formats/sign_bits.h): the scales, residuals and the large plane above cover
+  // the other columns only; bits holds every column's sign.
+  std::vector<int32_t> exact_columns;  // ascending, distinct, < K, at most kMaxExactColumns
+  std::vector<float> exact_weights;    // [R, exact_columns.size()]: A[r, exact_columns[c]]
 
   int32_t words_per_row() const { return sign_words_per_row(cols); }
-  // Bytes held by the arrays above; sign_bits_bytes(rows, cols) when packed by pack_sign_bits.
+  // Bytes held by the arrays above; sign_bits_bytes(rows, cols, exact_columns.size()) when packed by pack_sign_bits.
   int64_t bytes() const {
     return static_cast<int64_t>(bits.size() + large.size()) * sizeof(uint32_t) +
            static_cast<int64_t>(scale.size() + residual.size() + small_scale.size() + large_scale.size() +
-                                two_bit_residual.size()) *
-               sizeof(float);
+                                two_bit_residual.size() + exact_weights.size()) *
+               sizeof(float) +
+           static_cast<int64_t>(exact_columns.size()) * sizeof(int32_t);
   }
 };
 

@@ -55,12 +55,14 @@ std::vector<int32_t> negative_sign_products(const SignBits& x_signs, const SignB
 // Neuron j of row m is predicted zero iff N_neg > alpha·(D - N_neg).  -> [M, H], 1 = predicted active
 std::vector<uint8_t> predict_active_sign_rule(const SignBits& x_signs, const SignBits& gate_signs, double alpha);
 // The gates' scores in float64 (include/twell/decode.h); each predicts active iff score >= −margin.
-// One-bit gate s(m, j) = scale_j · Σ_k x[m,k]·(bit set ? −1 : +1).  -> [M, H]
+// Every score adds the exact part E(m, j) = Σ_c x[m, exact_columns[c]]·exact_weights[j, c]; Σ_k and
+// ||x[m]|| run over the approximated (non-exact) columns k only.
+// One-bit gate s(m, j) = E(m, j) + scale_j · Σ_k x[m,k]·(bit set ? −1 : +1).  -> [M, H]
 std::vector<double> one_bit_gate(const float* x, int64_t rows, const SignBits& gate_signs);
 // Normalized one-bit gate z(m, j) = s(m, j) / (residual_j · ||x[m]||₂) (±inf or 0 where that is 0).  -> [M, H]
 std::vector<double> normalized_one_bit_gate(const float* x, int64_t rows, const SignBits& gate_signs);
-// Two-bit gate z(m, j) = x[m]·(sign·(large ? large_scale_j : small_scale_j)) / (two_bit_residual_j ·
-// ||x[m]||₂), the large plane read bit by bit.  -> [M, H]
+// Two-bit gate z(m, j) = (E(m, j) + Σ_k x[m,k]·sign·(large ? large_scale_j : small_scale_j)) /
+// (two_bit_residual_j · ||x[m]||₂), the large plane read bit by bit.  -> [M, H]
 std::vector<double> two_bit_gate(const float* x, int64_t rows, const SignBits& gate_signs);
 // The decode FFN: the FFN restricted to the predicted-active neurons of each row (a neuron predicted
 // zero contributes nothing, whatever its gate).  predicted_active [M, H] -> y [M, D]

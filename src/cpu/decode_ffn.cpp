@@ -15,6 +15,7 @@
 
 #include "decode_kernels.h"
 #include "kernels.h"
+#include "twell/convert.h"
 #include "twell/decode.h"
 #include "twell/error.h"
 
@@ -49,21 +50,35 @@ void require_signs_match(const SignBits& signs, int32_t hidden, int32_t cols) {
                     signs.large_scale.size() == static_cast<size_t>(hidden) &&
                     signs.two_bit_residual.size() == static_cast<size_t>(hidden),
                 "signs must carry the two-bit plane and scales of pack_sign_bits (H = {})", hidden);
+  validate_exact_columns(signs.exact_columns, cols);
+  TWELL_REQUIRE(signs.exact_weights.size() == static_cast<size_t>(hidden) * signs.exact_columns.size(),
+                "signs.exact_weights must hold H·c = {} values, got {}",
+                static_cast<size_t>(hidden) * signs.exact_columns.size(), signs.exact_weights.size());
 }
 
-// x [M, D] -> x_padded [M, 32·words] (zeros past D), row sums and norms, and, when asked, its sign
-// bits [M, words] in the sign-bits format (bit set iff x < 0, so -0.0 packs as 0).
-void prepare_rows(const float* x, int64_t rows, int32_t cols, int32_t words, bool pack_signs, DecodeScratch& scratch) {
+// x [M, D] -> x_padded [M, 32·words] (zeros past D and at the exact columns, so the masked sums
+// cover the approximated columns only), its row sums and norms (over the same columns), x at the
+// exact columns [M, c], and, when asked, its sign bits [M, words] in the sign-bits format (bit set
+// iff x < 0, so -0.0 packs as 0; every column, as the sign rule reads them).
+void prepare_rows(const float* x, int64_t rows, const SignBits& signs, bool pack_signs, DecodeScratch& scratch) {
+  const int32_t cols = signs.cols, words = signs.words_per_row();
   const int32_t padded = words * kSignBitsPerWord;
+  const size_t exact_count = signs.exact_columns.size();
   scratch.x_padded.assign(static_cast<size_t>(rows) * padded, 0.0f);
+  scratch.x_exact.resize(static_cast<size_t>(rows) * exact_count);
   scratch.row_sums.assign(rows, 0.0f);
   scratch.row_norms.assign(rows, 0.0f);
   for (int64_t m = 0; m < rows; ++m) {
-    std::copy_n(x + m * cols, cols, scratch.x_padded.begin() + m * padded);
+    float* x_row = scratch.x_padded.data() + m * padded;  // [32·words]
+    std::copy_n(x + m * cols, cols, x_row);
+    for (size_t c = 0; c < exact_count; ++c) {
+      scratch.x_exact[m * exact_count + c] = x_row[signs.exact_columns[c]];
+      x_row[signs.exact_columns[c]] = 0.0f;
+    }
     float square_sum = 0.0f;
     for (int32_t k = 0; k < cols; ++k) {
-      scratch.row_sums[m] += x[m * cols + k];
-      square_sum += x[m * cols + k] * x[m * cols + k];
+      scratch.row_sums[m] += x_row[k];
+      square_sum += x_row[k] * x_row[k];
     }
     scratch.row_norms[m] = std::sqrt(square_sum);
   }
@@ -80,8 +95,13 @@ void prepare_rows(const float* x, int64_t rows, int32_t cols, int32_t words, boo
 class BlockPredictor {
  public:
   BlockPredictor(const SignBits& signs, const DecodeScratch& scratch, int64_t first_row, int32_t rows)
-      : signs_(signs), words_(signs.words_per_row()), rows_(rows), kernels_(active_decode_kernels()) {
+      : signs_(signs),
+        words_(signs.words_per_row()),
+        exact_count_(static_cast<int32_t>(signs.exact_columns.size())),
+        rows_(rows),
+        kernels_(active_decode_kernels()) {
     x_padded_ = scratch.x_padded.data() + first_row * words_ * kSignBitsPerWord;
+    x_exact_ = scratch.x_exact.data() + first_row * exact_count_;
     if (!scratch.x_signs.empty()) x_signs_ = scratch.x_signs.data() + first_row * words_;
     row_sums_ = scratch.row_sums.data() + first_row;
     row_norms_ = scratch.row_norms.data() + first_row;
@@ -90,11 +110,12 @@ class BlockPredictor {
   void negative_counts(int32_t neuron, int32_t* counts) const {
     kernels_.negative_counts(x_signs_, rows_, neuron_bits(neuron), words_, counts);
   }
-  // s = scale·(Σx − 2·Σ_{bit set} x) = scale·Σ x·sign(W).
+  // s = scale·(Σx − 2·Σ_{bit set} x) = scale·Σ x·sign(W), plus the exact columns' part.
   void one_bit_gate(int32_t neuron, float* scores) const {
     float negative[kDecodeMaxRows];
     kernels_.masked_sums(x_padded_, rows_, neuron_bits(neuron), nullptr, words_, negative);
     for (int32_t m = 0; m < rows_; ++m) scores[m] = signs_.scale[neuron] * (row_sums_[m] - 2.0f * negative[m]);
+    add_exact_part(neuron, scores);
   }
   void normalized_one_bit_gate(int32_t neuron, float* scores) const {
     one_bit_gate(neuron, scores);
@@ -109,9 +130,11 @@ class BlockPredictor {
     for (int32_t m = 0; m < rows_; ++m) {
       const float signed_sum = row_sums_[m] - 2.0f * sums[m];
       const float large_signed_sum = sums[rows_ + m] - 2.0f * sums[2 * rows_ + m];
-      scores[m] = normalized_score(small * signed_sum + (large - small) * large_signed_sum,
-                                   signs_.two_bit_residual[neuron], row_norms_[m]);
+      scores[m] = small * signed_sum + (large - small) * large_signed_sum;
     }
+    add_exact_part(neuron, scores);
+    for (int32_t m = 0; m < rows_; ++m)
+      scores[m] = normalized_score(scores[m], signs_.two_bit_residual[neuron], row_norms_[m]);
   }
   // active[m]: row m predicted active under `kind` with its integer (sign rule) or score (gates) threshold.
   void predict(PredictorKind kind, int32_t neuron, int32_t max_negatives, float min_score, bool* active) const {
@@ -133,11 +156,19 @@ class BlockPredictor {
 
  private:
   const uint32_t* neuron_bits(int32_t neuron) const { return signs_.bits.data() + static_cast<size_t>(neuron) * words_; }
+  // scores[m] += Σ_c x[m, exact_columns[c]]·exact_weights[neuron, c] (nothing without exact columns).
+  void add_exact_part(int32_t neuron, float* scores) const {
+    const float* weights = signs_.exact_weights.data() + static_cast<size_t>(neuron) * exact_count_;  // [c]
+    for (int32_t m = 0; m < rows_; ++m)
+      for (int32_t c = 0; c < exact_count_; ++c) scores[m] += x_exact_[m * exact_count_ + c] * weights[c];
+  }
   const SignBits& signs_;
   int32_t words_;
+  int32_t exact_count_;
   int32_t rows_;
   const DecodeKernelTable& kernels_;
   const float* x_padded_ = nullptr;
+  const float* x_exact_ = nullptr;
   const uint32_t* x_signs_ = nullptr;
   const float* row_sums_ = nullptr;
   const float* row_norms_ = nullptr;
@@ -150,7 +181,7 @@ void score_rows(const float* x, int64_t rows, const SignBits& signs, bool pack_s
   TWELL_REQUIRE(rows >= 1, "rows (M) must be >= 1, got {}", rows);
   require_signs_match(signs, signs.rows, signs.cols);
   DecodeScratch scratch;
-  prepare_rows(x, rows, signs.cols, signs.words_per_row(), pack_signs, scratch);
+  prepare_rows(x, rows, signs, pack_signs, scratch);
   for (int64_t first = 0; first < rows; first += kDecodeMaxRows) {
     const BlockPredictor predictor(signs, scratch, first, static_cast<int32_t>(std::min<int64_t>(kDecodeMaxRows, rows - first)));
 #pragma omp parallel for num_threads(num_threads()) schedule(static)
@@ -190,7 +221,7 @@ DecodeStats decode_ffn(const float* x, int64_t rows, const FfnWeights& weights, 
   const bool sign_rule = predictor.kind == PredictorKind::sign_rule;
   const int32_t max_negatives = sign_rule ? sign_rule_max_negatives(predictor.alpha, cols) : 0;
   const float min_score = static_cast<float>(-predictor.margin);
-  prepare_rows(x, rows, cols, signs.words_per_row(), sign_rule, scratch);
+  prepare_rows(x, rows, signs, sign_rule, scratch);
 
   const KernelTable& kernels = active_kernels();
   const float* projection = weights.relu_projection().data();  // [H, D]

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstddef>
 
+#include "twell/convert.h"
 #include "twell/error.h"
 #include "twell/reference.h"
 
@@ -22,10 +23,27 @@ double normalized(double score, double residual, double norm) {
   return unit > 0 ? score / unit : score > 0 ? INFINITY : score < 0 ? -INFINITY : 0.0;
 }
 
-double row_norm(const float* x_row, int32_t cols) {
+bool is_exact_column(const SignBits& signs, int32_t col) {
+  for (int32_t column : signs.exact_columns)
+    if (column == col) return true;
+  return false;
+}
+
+// ||x_row|| over the approximated columns: the estimate's error involves those only.
+double row_norm(const float* x_row, const SignBits& signs) {
   double square_sum = 0;
-  for (int32_t k = 0; k < cols; ++k) square_sum += static_cast<double>(x_row[k]) * x_row[k];
+  for (int32_t k = 0; k < signs.cols; ++k)
+    if (!is_exact_column(signs, k)) square_sum += static_cast<double>(x_row[k]) * x_row[k];
   return std::sqrt(square_sum);
+}
+
+// Σ_c x_row[exact_columns[c]]·exact_weights[j, c]: the exact part of every gate's score.
+double exact_part(const float* x_row, const SignBits& signs, int32_t j) {
+  const size_t count = signs.exact_columns.size();
+  double sum = 0;
+  for (size_t c = 0; c < count; ++c)
+    sum += static_cast<double>(x_row[signs.exact_columns[c]]) * signs.exact_weights[j * count + c];
+  return sum;
 }
 
 void require_packed(const SignBits& signs, const char* name) {
@@ -36,6 +54,10 @@ void require_packed(const SignBits& signs, const char* name) {
                 static_cast<size_t>(signs.rows) * signs.words_per_row(), signs.bits.size());
   TWELL_REQUIRE(signs.scale.size() == static_cast<size_t>(signs.rows), "{}.scale must hold R = {} values, got {}",
                 name, signs.rows, signs.scale.size());
+  validate_exact_columns(signs.exact_columns, signs.cols);
+  TWELL_REQUIRE(signs.exact_weights.size() == static_cast<size_t>(signs.rows) * signs.exact_columns.size(),
+                "{}.exact_weights must hold R·c = {} values, got {}", name,
+                static_cast<size_t>(signs.rows) * signs.exact_columns.size(), signs.exact_weights.size());
 }
 
 }  // namespace
@@ -75,10 +97,12 @@ std::vector<double> one_bit_gate(const float* x, int64_t rows, const SignBits& g
     for (int32_t j = 0; j < hidden; ++j) {
       double sum = 0;
       for (int32_t k = 0; k < cols; ++k) {
+        if (is_exact_column(gate_signs, k)) continue;
         double value = x[m * cols + k];
         sum += sign_bit(gate_signs, j, k) ? -value : value;
       }
-      scores[static_cast<size_t>(m) * hidden + j] = static_cast<double>(gate_signs.scale[j]) * sum;
+      scores[static_cast<size_t>(m) * hidden + j] =
+          static_cast<double>(gate_signs.scale[j]) * sum + exact_part(x + m * cols, gate_signs, j);
     }
   return scores;
 }
@@ -89,7 +113,7 @@ std::vector<double> normalized_one_bit_gate(const float* x, int64_t rows, const 
   std::vector<double> scores = one_bit_gate(x, rows, gate_signs);
   const int32_t hidden = gate_signs.rows, cols = gate_signs.cols;
   for (int64_t m = 0; m < rows; ++m) {
-    const double norm = row_norm(x + m * cols, cols);
+    const double norm = row_norm(x + m * cols, gate_signs);
     for (int32_t j = 0; j < hidden; ++j) {
       double& score = scores[static_cast<size_t>(m) * hidden + j];
       score = normalized(score, gate_signs.residual[j], norm);
@@ -107,14 +131,16 @@ std::vector<double> two_bit_gate(const float* x, int64_t rows, const SignBits& g
                 "gate_signs must carry the two-bit plane and scales of pack_sign_bits");
   std::vector<double> scores(static_cast<size_t>(rows) * hidden);
   for (int64_t m = 0; m < rows; ++m) {
-    const double norm = row_norm(x + m * cols, cols);
+    const double norm = row_norm(x + m * cols, gate_signs);
     for (int32_t j = 0; j < hidden; ++j) {
       const double large_scale = gate_signs.large_scale[j], small_scale = gate_signs.small_scale[j];
       double sum = 0;
       for (int32_t k = 0; k < cols; ++k) {
+        if (is_exact_column(gate_signs, k)) continue;
         const double magnitude = plane_bit(gate_signs.large, gate_signs, j, k) ? large_scale : small_scale;
         sum += (sign_bit(gate_signs, j, k) ? -magnitude : magnitude) * x[m * cols + k];
       }
+      sum += exact_part(x + m * cols, gate_signs, j);
       scores[static_cast<size_t>(m) * hidden + j] = normalized(sum, gate_signs.two_bit_residual[j], norm);
     }
   }
