@@ -165,6 +165,12 @@ __global__ void neuron_chunk_count_kernel(const int32_t* col_start, int32_t cols
   }
 }
 
+// chunk_neuron[c] = the neuron owning chunk c, for c < chunk_start[cols].
+__global__ void chunk_neuron_kernel(const int32_t* chunk_start, int32_t cols, int32_t* chunk_neuron) {
+  for (int32_t j = blockIdx.x * blockDim.x + threadIdx.x; j < cols; j += gridDim.x * blockDim.x)
+    for (int32_t c = chunk_start[j]; c < chunk_start[j + 1]; ++c) chunk_neuron[c] = j;
+}
+
 int bits_for(int32_t max_value) {
   int bits = 1;
   while ((int64_t{1} << bits) <= max_value) ++bits;
@@ -332,6 +338,10 @@ void build_neuron_lists(const HybridView& gate, NeuronLists& lists, cudaStream_t
   TWELL_CUDA_CHECK_LAUNCH();
   TWELL_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(lists.sort_scratch.data(), scan_bytes, lists.col_count.data(),
                                                  lists.chunk_start.data(), cols + 1, stream));
+  lists.chunk_neuron.resize(cols + lists.max_partials);
+  chunk_neuron_kernel<<<(cols + threads - 1) / threads, threads, 0, stream>>>(lists.chunk_start.data(), cols,
+                                                                             lists.chunk_neuron.data());
+  TWELL_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace twell::cuda

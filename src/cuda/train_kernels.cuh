@@ -72,6 +72,7 @@ struct NeuronLists {
   DeviceBuffer<int32_t> col_count;   // [H + 1] entries, then chunks per neuron
   DeviceBuffer<int32_t> col_start;   // [H + 1]
   DeviceBuffer<int32_t> chunk_start;  // [H + 1]
+  DeviceBuffer<int32_t> chunk_neuron;  // [H + max_partials] the neuron owning each chunk
   DeviceBuffer<uint8_t> sort_scratch;
   DeviceBuffer<float> partial[2];     // [max_partials, D] each: chunk partial sums of the two outputs
   const int32_t* sorted_entries = nullptr;  // points into entries[0] or entries[1]
@@ -80,7 +81,7 @@ struct NeuronLists {
 
   int64_t bytes() const {
     return static_cast<int64_t>(keys[0].bytes() + keys[1].bytes() + entries[0].bytes() + entries[1].bytes() +
-                                col_count.bytes() + col_start.bytes() + chunk_start.bytes() + sort_scratch.bytes() +
+                                col_count.bytes() + col_start.bytes() + chunk_start.bytes() + chunk_neuron.bytes() + sort_scratch.bytes() +
                                 partial[0].bytes() + partial[1].bytes());
   }
 };

@@ -190,44 +190,38 @@ __global__ void ell_rows_kernel(HybridView gate, const float* a_ell, const bf16*
   }
 }
 
-// Entry groups per block of the weight-gradient kernel. One neuron's list can be ~30x the mean
-// (the workload's neuron thresholds vary, and so do real models'), and one block reading rows
-// one batch of loads at a time is latency-bound: the hottest neuron then sets the kernel's time.
-// Four groups of threads walk a quarter of the list each (4x the loads in flight per block) and
-// add their partial sums in shared memory in a fixed order (deterministic).
-constexpr int kNeuronGroups = 4;
+// Blocks of the weight-gradient kernel: one chunk of one list per block of 256 threads, a thread
+// owning 8 columns of D = 2048 (more columns: it loops). What limits the kernel is the chain of
+// dependent loads of each block (its chunk's neuron, the list, the values, then the rows), so small
+// blocks, several resident per SM, overlap those chains; 1024-thread blocks (four groups of 256 on
+// one chunk) fit once per SM at their 44-58 registers and ran the bulk of the lists at ~2 TB/s.
+// kMinNeuronBlocksPerSm caps the registers so that 4 blocks fit.
+constexpr int kMinNeuronBlocksPerSm = 4;
+constexpr int kNeuronRowsInFlight = 8;  // row loads a thread issues before the first is used
 
 // The chunked neuron lists (NeuronLists) as the kernel reads them.
 struct ChunkedLists {
   const int32_t* col_start;
   const int32_t* chunk_start;
+  const int32_t* chunk_neuron;
   const int32_t* sorted_entries;
   int32_t cols;
   int32_t chunk_entries;
 };
 
 // Σ a[e]·rows[row(e), :] over one chunk of neuron j's list (and the same with b), fp32: chunk 0
-// into out_a[j, :], chunk c > 0 into its partial slot (NeuronLists). Block = one chunk, as
-// kNeuronGroups groups of `group_threads` threads; a thread owns 8 columns.
+// into out_a[j, :], chunk c > 0 into its partial slot (NeuronLists). Block = one chunk; a thread
+// owns 8 columns.
 template <bool kTwoTerms>
-__global__ void __launch_bounds__(kNeuronGroups * kMaxBatch)
+__global__ void __launch_bounds__(kMaxBatch, kMinNeuronBlocksPerSm)
     neuron_grad_kernel(ChunkedLists lists, int32_t width, const float* a_ell, const float* b_ell, const bf16* rows,
                        int32_t d_model, float* out_a, float* out_b, float* partial_a, float* partial_b) {
-  constexpr int kBatch = kNeuronGroups * kMaxBatch;
-  __shared__ int32_t s_row[kBatch];
-  __shared__ float s_a[kBatch];
-  __shared__ float s_b[kBatch];
-  __shared__ float s_partial_a[2][kMaxBatch * kVector];  // two groups' partial sums
-  __shared__ float s_partial_b[kTwoTerms ? 2 : 1][kTwoTerms ? kMaxBatch * kVector : 1];
+  __shared__ int32_t s_row[kMaxBatch];
+  __shared__ float s_a[kMaxBatch];
+  __shared__ float s_b[kMaxBatch];
   const int32_t chunk = blockIdx.x;
   if (chunk >= lists.chunk_start[lists.cols]) return;  // the grid is launched for the bound
-  // The neuron owning this chunk: the last j with chunk_start[j] <= chunk (starts strictly increase).
-  int32_t lo = 0, hi = lists.cols - 1;
-  while (lo < hi) {
-    const int32_t mid = (lo + hi + 1) / 2;
-    if (lists.chunk_start[mid] <= chunk) lo = mid; else hi = mid - 1;
-  }
-  const int64_t neuron = lo;
+  const int64_t neuron = lists.chunk_neuron[chunk];
   const int32_t chunk_in_list = chunk - lists.chunk_start[neuron];
   const int32_t begin = lists.col_start[neuron] + chunk_in_list * lists.chunk_entries;
   const int32_t end = min(lists.col_start[neuron + 1], begin + lists.chunk_entries);
@@ -238,15 +232,12 @@ __global__ void __launch_bounds__(kNeuronGroups * kMaxBatch)
   }
   const int32_t* sorted_entries = lists.sorted_entries;
   const int32_t vectors = d_model / kVector;
-  const int group_threads = blockDim.x / kNeuronGroups;
-  const int group = threadIdx.x / group_threads, lane = threadIdx.x % group_threads;
-  const int batch = blockDim.x;
-  for (int32_t v0 = 0; v0 < vectors; v0 += group_threads) {
-    const int32_t v = v0 + lane;
+  for (int32_t v0 = 0; v0 < vectors; v0 += blockDim.x) {
+    const int32_t v = v0 + threadIdx.x;
     const bool active = v < vectors;
     float acc_a[kVector] = {}, acc_b[kVector] = {};
-    for (int32_t k0 = begin; k0 < end; k0 += batch) {
-      const int n = min(batch, end - k0);
+    for (int32_t k0 = begin; k0 < end; k0 += blockDim.x) {
+      const int n = min(static_cast<int32_t>(blockDim.x), end - k0);
       __syncthreads();
       if (threadIdx.x < n) {
         const int32_t e = sorted_entries[k0 + threadIdx.x];
@@ -256,31 +247,14 @@ __global__ void __launch_bounds__(kNeuronGroups * kMaxBatch)
       }
       __syncthreads();
       if (!active) continue;
-#pragma unroll 4
-      for (int k = group; k < n; k += kNeuronGroups) {
+#pragma unroll kNeuronRowsInFlight
+      for (int k = 0; k < n; ++k) {
         const uint4 r = __ldg(reinterpret_cast<const uint4*>(rows + static_cast<int64_t>(s_row[k]) * d_model) + v);
         axpy8(s_a[k], r, acc_a);
         if (kTwoTerms) axpy8(s_b[k], r, acc_b);
       }
     }
-    // (g0 + g2) + (g1 + g3), then group 0 writes.
-    for (int half = 2; half >= 1; half /= 2) {
-      __syncthreads();  // the previous round's (or chunk's) reads of s_partial are done
-      if (group >= half && group < 2 * half && active)
-#pragma unroll
-        for (int i = 0; i < kVector; ++i) {
-          s_partial_a[group - half][lane * kVector + i] = acc_a[i];
-          if (kTwoTerms) s_partial_b[group - half][lane * kVector + i] = acc_b[i];
-        }
-      __syncthreads();
-      if (group < half && active)
-#pragma unroll
-        for (int i = 0; i < kVector; ++i) {
-          acc_a[i] += s_partial_a[group][lane * kVector + i];
-          if (kTwoTerms) acc_b[i] += s_partial_b[group][lane * kVector + i];
-        }
-    }
-    if (group != 0 || !active) continue;
+    if (!active) continue;
     float4* dst_a = reinterpret_cast<float4*>(out_a + out_row * d_model) + 2 * v;
     dst_a[0] = make_float4(acc_a[0], acc_a[1], acc_a[2], acc_a[3]);
     dst_a[1] = make_float4(acc_a[4], acc_a[5], acc_a[6], acc_a[7]);
@@ -502,9 +476,9 @@ void neuron_weight_grads(NeuronLists& lists, const HybridShape& shape, const flo
   const int64_t partial_count = lists.max_partials * d_model;
   lists.partial[0].resize(partial_count);
   if (b_ell) lists.partial[1].resize(partial_count);
-  const ChunkedLists chunked{lists.col_start.data(), lists.chunk_start.data(), lists.sorted_entries, shape.cols,
-                             lists.chunk_entries};
-  const int threads = kNeuronGroups * row_block_threads(d_model);
+  const ChunkedLists chunked{lists.col_start.data(), lists.chunk_start.data(), lists.chunk_neuron.data(),
+                             lists.sorted_entries, shape.cols, lists.chunk_entries};
+  const int threads = row_block_threads(d_model);
   const unsigned chunk_bound = grid_of(shape.cols + lists.max_partials);  // every neuron has at least one chunk
   if (b_ell)
     neuron_grad_kernel<true><<<chunk_bound, threads, 0, stream>>>(
