@@ -97,10 +97,8 @@ TEST_F(CudaModelTest, SparsePathsMatchTransformers) {
     EXPECT_EQ(greedy_tokens(gpu, golden.prompt, static_cast<int32_t>(golden.greedy.size())), golden.greedy);
   }
   host.set_ffn_path(FfnPath::predict);
-  std::vector<PredictorConfig> calibrated;
-  for (const Calibration& layer : host.calibrate_predictor(golden.prompt, PredictorKind::one_bit_gate, 1.0))
-    calibrated.push_back(layer.config);
-  gpu.set_predictor(calibrated);
+  host.calibrate_predictor(golden.prompt, PredictorKind::one_bit_gate, 1.0);
+  gpu.set_predictor(host);
   EXPECT_EQ(greedy_tokens(gpu, golden.prompt, 1), std::vector<int32_t>(1, golden.greedy[0]));
 }
 
@@ -202,7 +200,7 @@ TEST_F(CudaModelTest, RefusesBadInput) {
   EXPECT_THROW(gpu.forward(three.data(), 3, logits.data()), Error);  // over capacity
   EXPECT_THROW(gpu.decode_greedy(1), Error);                          // no logits to start from
   EXPECT_THROW(gpu.reset(0, 4), Error);
-  EXPECT_THROW(gpu.set_predictor({}), Error);  // not on the predict path
+  EXPECT_THROW(gpu.set_predictor(silu), Error);  // not on the predict path
 }
 
 // Without a GPU the runtime refuses with a message instead of failing later.

@@ -40,6 +40,29 @@ TEST(SyntheticModel, FfnDensityNearTarget) {
   }
 }
 
+// The synthetic model's threshold column reaches every layer's FFN input, so calibration keeps it
+// exact in every layer and packs the predict path's sign bits with it; max_exact_columns = 0 keeps none.
+TEST(SyntheticModel, CalibrationKeepsTheThresholdColumnExact) {
+  const ModelConfig config = synthetic_model_config("tiny");
+  Model model(config, make_synthetic_weights(config, 0.05, 7));
+  model.set_ffn_path(FfnPath::predict);
+  std::vector<int32_t> tokens;
+  for (int32_t i = 0; i < 96; ++i) tokens.push_back((i * 37 + 11) % config.vocab_size);
+  const std::vector<Calibration> layers = model.calibrate_predictor(tokens, PredictorKind::two_bit_gate, 0.99);
+  for (int32_t l = 0; l < config.n_layers; ++l) {
+    EXPECT_EQ(layers[l].exact_columns, std::vector<int32_t>{0}) << "layer " << l;
+    EXPECT_EQ(model.predictor()[l].exact_columns, layers[l].exact_columns);
+    EXPECT_EQ(model.predictor()[l].config.margin, layers[l].config.margin);
+    EXPECT_EQ(model.relu_signs(l).exact_columns, layers[l].exact_columns);
+    EXPECT_GE(layers[l].quality.recall(), 0.99);
+  }
+  model.calibrate_predictor(tokens, PredictorKind::two_bit_gate, 0.99, 0);
+  for (int32_t l = 0; l < config.n_layers; ++l) {
+    EXPECT_TRUE(model.predictor()[l].exact_columns.empty());
+    EXPECT_TRUE(model.relu_signs(l).exact_columns.empty());
+  }
+}
+
 TEST(SyntheticModel, Deterministic) {
   const ModelConfig config = synthetic_model_config("tiny");
   const ModelWeights a = make_synthetic_weights(config, 0.05, 9), b = make_synthetic_weights(config, 0.05, 9);

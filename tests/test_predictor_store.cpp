@@ -4,11 +4,13 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <optional>
 #include <random>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "twell/convert.h"
 #include "twell/error.h"
 #include "twell/model.h"
 #include "twell/predictor_store.h"
@@ -31,14 +33,25 @@ class PredictorStoreTest : public testing::Test {
   }
   void TearDown() override { fs::remove_all(dir_); }
 
-  // Calibrates the fixture's layers on random tokens and stores the result.
-  std::vector<Calibration> calibrate_and_store(PredictorKind kind) {
+  // Calibrates the fixture's layers on random tokens and stores the result; with `exact_columns`,
+  // calibrated with those columns in every layer instead of the chosen ones.
+  std::vector<Calibration> calibrate_and_store(PredictorKind kind,
+                                               const std::optional<std::vector<int32_t>>& exact_columns = {}) {
     Model model = Model::load(dir_.string());
     model.set_ffn_path(FfnPath::predict);
     std::mt19937 rng(7);
     std::vector<int32_t> tokens(48);
     for (int32_t& token : tokens) token = static_cast<int32_t>(rng() % model.config().vocab_size);
     std::vector<Calibration> calibration = model.calibrate_predictor(tokens, kind, 0.95);
+    if (exact_columns) {
+      const std::vector<std::vector<float>> inputs = model.ffn_inputs(tokens);
+      for (int32_t l = 0; l < model.config().n_layers; ++l) {
+        const FfnWeights& ffn = model.weights().layers[l].ffn;
+        const SignBits signs =
+            pack_sign_bits(ffn.relu_projection().data(), ffn.d_hidden, ffn.d_model, *exact_columns);
+        calibration[l] = calibrate_predictor(inputs[l].data(), 48, ffn, signs, kind, 0.95);
+      }
+    }
     save_predictor_record(dir_.string(), model.config(), model.weights(), {0.95, 48, "random tokens", calibration});
     return calibration;
   }
@@ -72,19 +85,61 @@ TEST_F(PredictorStoreTest, RoundTripThroughModelLoad) {
     Model model = Model::load(dir_.string());
     ASSERT_EQ(model.predictor().size(), calibration.size());
     for (size_t l = 0; l < calibration.size(); ++l) {
-      EXPECT_EQ(model.predictor()[l].kind, kind);
+      EXPECT_EQ(model.predictor()[l].config.kind, kind);
       // JSON keeps a double exactly (shortest round-trip representation).
       if (kind == PredictorKind::sign_rule)
-        EXPECT_EQ(model.predictor()[l].alpha, calibration[l].config.alpha);
+        EXPECT_EQ(model.predictor()[l].config.alpha, calibration[l].config.alpha);
       else
-        EXPECT_EQ(model.predictor()[l].margin, calibration[l].config.margin);
+        EXPECT_EQ(model.predictor()[l].config.margin, calibration[l].config.margin);
+      EXPECT_EQ(model.predictor()[l].exact_columns, calibration[l].exact_columns);
     }
     // Choosing the predict path keeps the stored settings (it does not reset them to "exact").
     model.set_ffn_path(FfnPath::predict);
-    EXPECT_EQ(model.predictor()[0].kind, kind);
+    EXPECT_EQ(model.predictor()[0].config.kind, kind);
     // The write left no temporary file behind.
     for (const fs::directory_entry& entry : fs::directory_iterator(dir_))
       EXPECT_EQ(entry.path().filename().string().find(".tmp"), std::string::npos) << entry.path();
+  }
+}
+
+// Exact columns come back with their layer, and the predict path packs each layer's sign bits with
+// them; the model then decodes with the stored margin exactly as calibrated.
+TEST_F(PredictorStoreTest, ExactColumnsRoundTrip) {
+  const std::vector<int32_t> columns = {0, 3, 17};
+  const std::vector<Calibration> calibration = calibrate_and_store(PredictorKind::two_bit_gate, columns);
+  EXPECT_EQ(read_record()["version"], 2);
+  EXPECT_EQ(read_record()["layers"][1]["exact_columns"], nlohmann::json(columns));
+  Model model = Model::load(dir_.string());
+  model.set_ffn_path(FfnPath::predict);
+  for (int32_t l = 0; l < model.config().n_layers; ++l) {
+    EXPECT_EQ(model.predictor()[l].exact_columns, columns);
+    EXPECT_EQ(model.predictor()[l].config.margin, calibration[l].config.margin);
+    EXPECT_EQ(model.relu_signs(l).exact_columns, columns);
+    EXPECT_EQ(model.relu_signs(l).exact_weights.size(), static_cast<size_t>(model.config().d_hidden) * columns.size());
+  }
+  // set_predictor packs a layer again when its columns change.
+  std::vector<LayerPredictor> changed = model.predictor();
+  changed[0].exact_columns = {5};
+  model.set_predictor(changed);
+  EXPECT_EQ(model.relu_signs(0).exact_columns, std::vector<int32_t>{5});
+  EXPECT_EQ(model.relu_signs(1).exact_columns, columns);
+  changed[1].exact_columns = {5, 5};
+  EXPECT_THROW(model.set_predictor(changed), Error);
+  EXPECT_EQ(model.relu_signs(0).exact_columns, std::vector<int32_t>{5}) << "a refused setting changes nothing";
+}
+
+// A version-1 file (before exact columns) still loads, as no exact columns.
+TEST_F(PredictorStoreTest, VersionOneFileLoadsWithoutExactColumns) {
+  const std::vector<Calibration> calibration = calibrate_and_store(PredictorKind::one_bit_gate, std::vector<int32_t>{});
+  nlohmann::json record = read_record();
+  record["version"] = 1;
+  for (nlohmann::json& layer : record["layers"]) layer.erase("exact_columns");
+  write_record(record);
+  Model model = Model::load(dir_.string());
+  ASSERT_EQ(model.predictor().size(), calibration.size());
+  for (size_t l = 0; l < calibration.size(); ++l) {
+    EXPECT_TRUE(model.predictor()[l].exact_columns.empty());
+    EXPECT_EQ(model.predictor()[l].config.margin, calibration[l].config.margin);
   }
 }
 
@@ -123,7 +178,14 @@ TEST_F(PredictorStoreTest, MalformedRecordsAreRefusedNamingTheKey) {
     EXPECT_NE(error.find(expected), std::string::npos) << "expected '" << expected << "' in: " << error;
   };
   expect_refused([](nlohmann::json& r) { r["format"] = "other"; }, "'format'");
-  expect_refused([](nlohmann::json& r) { r["version"] = 2; }, "'version'");
+  expect_refused([](nlohmann::json& r) { r["version"] = 3; }, "'version'");
+  expect_refused([](nlohmann::json& r) { r["version"] = 0; }, "'version'");
+  expect_refused([](nlohmann::json& r) { r["layers"][1]["exact_columns"] = "0"; }, "layers[1].exact_columns");
+  expect_refused([](nlohmann::json& r) { r["layers"][1]["exact_columns"] = {0.5}; }, "layers[1].exact_columns");
+  expect_refused([](nlohmann::json& r) { r["layers"][0]["exact_columns"] = {4, 2}; },
+                 "layers[0].exact_columns: exact columns must be ascending");
+  expect_refused([](nlohmann::json& r) { r["layers"][0]["exact_columns"] = {0, 1u << 20}; },
+                 "layers[0].exact_columns: column 1048576 outside");
   expect_refused([](nlohmann::json& r) { r["model"]["d_hidden"] = 999; }, "model.d_hidden");
   expect_refused([](nlohmann::json& r) { r["model"].erase("n_layers"); }, "model.n_layers");
   expect_refused([](nlohmann::json& r) { r["layers"].erase(1); }, "'layers'");

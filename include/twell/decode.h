@@ -107,11 +107,35 @@ struct PredictorQuality {
 struct Calibration {
   PredictorConfig config;
   PredictorQuality quality;
+  std::vector<int32_t> exact_columns;  // signs.exact_columns: the setting holds for sign bits packed with these
 };
 Calibration calibrate_predictor(const float* x, int64_t rows, const FfnWeights& weights, const SignBits& signs,
                                 PredictorKind kind, double target_recall = 0.99);
 PredictorQuality measure_predictor(const float* x, int64_t rows, const FfnWeights& weights, const SignBits& signs,
                                    const PredictorConfig& config);
+
+// One layer's predictor as a model keeps, stores and runs it: the setting and the exact columns its
+// sign bits are packed with. They travel together because a margin calibrated with exact columns
+// means nothing for sign bits packed without them.
+struct LayerPredictor {
+  PredictorConfig config;
+  std::vector<int32_t> exact_columns;  // ascending; empty: none
+};
+
+// The columns of W [H, D] worth keeping exact for the gates on inputs like x [M, D] (the sign-bits
+// format's exact_columns): column k's share of the one-bit estimate's error variance is
+//   contribution_k = mean_m x[m, k]² · Σ_j (W[j, k] − scale_j·sign W[j, k])²,  scale_j = mean_k |W[j, k]|,
+// and the columns with contribution_k >= kExactColumnFactor × the mean contribution are kept, the
+// largest first, at most max_columns (and fewer than D), returned ascending. The threshold picks
+// outliers only: with every column alike no contribution comes near 16x the mean (sampling noise
+// of a few hundred tokens moves one by tens of percent), while a channel that carries the gate's
+// offset (the synthetic workload's x[:, 0] = 1 against W[j, 0] = −t_j holds most of the total error,
+// about D times the mean) or an LLM's massive-activation channel (x² hundreds of times the typical)
+// stands far above it. Each exact column costs a float per neuron and a multiply-add per (token,
+// neuron), so only the few that dominate the error are worth it.
+inline constexpr double kExactColumnFactor = 16.0;
+std::vector<int32_t> choose_exact_columns(const float* x, int64_t rows, const float* w, int32_t hidden, int32_t cols,
+                                          int max_columns = kMaxExactColumns);
 
 }  // namespace twell
 

@@ -129,14 +129,20 @@ class Model {
   // Refuses a path the model cannot take (twell/predict on a non-relu FFN) with the reason.
   void set_ffn_path(FfnPath path);
   FfnPath ffn_path() const { return ffn_path_; }
-  // Per-layer predictor settings for FfnPath::predict: set here, filled by calibrate_predictor() from
-  // sample text, or read by load() from the checkpoint's twell_predictor.json (twell/predictor_store.h).
-  void set_predictor(std::vector<PredictorConfig> per_layer);
-  const std::vector<PredictorConfig>& predictor() const { return predictors_; }  // empty until one of those
-  // Runs `tokens` through the dense path, collecting each layer's FFN input, and picks each layer's
-  // predictor for `target_recall` (twell::calibrate_predictor).
+  // Per-layer predictor settings for FfnPath::predict, each with the exact columns its sign bits are
+  // packed with: set here, filled by calibrate_predictor() from sample text, or read by load() from the
+  // checkpoint's twell_predictor.json (twell/predictor_store.h). A layer whose columns change is
+  // packed again.
+  void set_predictor(std::vector<LayerPredictor> per_layer);
+  const std::vector<LayerPredictor>& predictor() const { return predictors_; }  // empty until one of those
+  // The sign bits of layer `layer`'s relu projection the predict path reads (packed with that layer's
+  // exact columns); the predict path must be chosen.
+  const SignBits& relu_signs(int32_t layer) const;
+  // Runs `tokens` through the dense path, collecting each layer's FFN input, chooses each layer's
+  // exact columns on those inputs (twell::choose_exact_columns, at most max_exact_columns; 0 = none)
+  // and picks its predictor for `target_recall` (twell::calibrate_predictor).
   std::vector<Calibration> calibrate_predictor(const std::vector<int32_t>& tokens, PredictorKind kind,
-                                               double target_recall);
+                                               double target_recall, int max_exact_columns = kMaxExactColumns);
   // Each layer's FFN input [tokens, D] when `tokens` run from position 0 on the exact (dense) path:
   // what the predictor sees. The model's path, observer and predictor are left as they were.
   std::vector<std::vector<float>> ffn_inputs(const std::vector<int32_t>& tokens);
@@ -150,12 +156,13 @@ class Model {
  private:
   struct Workspace;
   void ffn(int32_t layer, const float* x, int32_t rows, float* y);
+  SignBits pack_relu_signs(int32_t layer, const std::vector<int32_t>& exact_columns) const;
 
   ModelConfig config_;
   ModelWeights weights_;
   FfnPath ffn_path_ = FfnPath::dense;
   std::vector<SignBits> relu_signs_;  // per layer, built when the predict path is chosen
-  std::vector<PredictorConfig> predictors_;
+  std::vector<LayerPredictor> predictors_;
   ActivationObserver observer_;
   std::vector<std::vector<float>>* capture_ffn_inputs_ = nullptr;  // per layer [rows, D], while calibrating
   std::unique_ptr<Workspace> workspace_;

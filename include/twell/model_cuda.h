@@ -13,7 +13,7 @@
 // A decode step (n = 1) of the dense or predict path can be captured in a CUDA graph, one per
 // batch size: the step reads its position and its tokens from device memory, so the graph is
 // replayed for every later step. Calibration of the predictor runs on the host Model
-// (Model::calibrate_predictor); its per-layer settings are handed over with set_predictor.
+// (Model::calibrate_predictor); its per-layer settings and sign bits are handed over with set_predictor.
 #pragma once
 
 #include <cstdint>
@@ -42,7 +42,10 @@ class CudaModel {
   // Same refusals as Model::set_ffn_path; the predict path starts exact (nothing predicted zero).
   void set_ffn_path(FfnPath path);
   FfnPath ffn_path() const;
-  void set_predictor(const std::vector<PredictorConfig>& per_layer);
+  // The host model's per-layer predictor settings (Model::predictor) with the sign bits it packed
+  // for them (Model::relu_signs, so its exact columns too). `host` is the Model this one was built
+  // from, on its predict path.
+  void set_predictor(const Model& host);
   void set_decode_graphs(bool enabled);
   // twell path: let SparseFfn run dense where that is faster (true), or always TwELL (false).
   void set_ffn_dispatch(bool enabled);

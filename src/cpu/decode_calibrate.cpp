@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numeric>
 
 #include "kernels.h"
 #include "twell/decode.h"
@@ -134,7 +135,51 @@ Calibration calibrate_predictor(const float* x, int64_t rows, const FfnWeights& 
     result.config.alpha = alpha;
   }
   result.quality = quality_of(samples, result.config, weights.d_model);
+  result.exact_columns = signs.exact_columns;
   return result;
+}
+
+std::vector<int32_t> choose_exact_columns(const float* x, int64_t rows, const float* w, int32_t hidden, int32_t cols,
+                                          int max_columns) {
+  TWELL_REQUIRE(rows >= 1 && hidden >= 1 && cols >= 1,
+                "choose_exact_columns: x [M, D] and w [H, D] need M, H, D >= 1, got M = {}, H = {}, D = {}", rows,
+                hidden, cols);
+  TWELL_REQUIRE(x != nullptr && w != nullptr, "choose_exact_columns: x and w must not be null");
+  TWELL_REQUIRE(max_columns >= 0 && max_columns <= kMaxExactColumns,
+                "choose_exact_columns: max_columns must lie in [0, {}] (kMaxExactColumns), got {}", kMaxExactColumns,
+                max_columns);
+  // Σ_j (w[j, k] − scale_j·sign w[j, k])² per column: the one-bit approximation's squared error.
+  std::vector<double> weight_error(static_cast<size_t>(cols), 0.0);
+  for (int32_t j = 0; j < hidden; ++j) {
+    const float* row = w + static_cast<size_t>(j) * cols;  // [D]
+    double abs_sum = 0;
+    for (int32_t k = 0; k < cols; ++k) abs_sum += std::abs(static_cast<double>(row[k]));
+    const double scale = abs_sum / cols;
+    for (int32_t k = 0; k < cols; ++k) {
+      const double error = std::abs(static_cast<double>(row[k])) - scale;  // same sign as w, so |w − scale·sign w|
+      weight_error[k] += error * error;
+    }
+  }
+  std::vector<double> contribution(static_cast<size_t>(cols), 0.0);
+  for (int64_t m = 0; m < rows; ++m)
+    for (int32_t k = 0; k < cols; ++k) contribution[k] += static_cast<double>(x[m * cols + k]) * x[m * cols + k];
+  double mean = 0;
+  for (int32_t k = 0; k < cols; ++k) {
+    contribution[k] *= weight_error[k] / rows;
+    mean += contribution[k] / cols;
+  }
+  if (!(mean > 0)) return {};  // x = 0 or W exactly ±scale: the estimate is exact already
+  std::vector<int32_t> order(static_cast<size_t>(cols));
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return contribution[a] > contribution[b]; });
+  std::vector<int32_t> chosen;
+  const int32_t limit = std::min(max_columns, cols - 1);  // at least one column stays approximated
+  for (int32_t k : order) {
+    if (static_cast<int32_t>(chosen.size()) == limit || !(contribution[k] >= kExactColumnFactor * mean)) break;
+    chosen.push_back(k);
+  }
+  std::sort(chosen.begin(), chosen.end());
+  return chosen;
 }
 
 }  // namespace twell

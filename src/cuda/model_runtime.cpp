@@ -345,19 +345,37 @@ void CudaModel::set_ffn_path(FfnPath path) {
   m.path = path;
 }
 
-void CudaModel::set_predictor(const std::vector<PredictorConfig>& per_layer) {
+void CudaModel::set_predictor(const Model& host) {
   Impl& m = *impl_;
   TWELL_REQUIRE(m.path == FfnPath::predict, "set_predictor: select the predict path first");
-  TWELL_REQUIRE(static_cast<int32_t>(per_layer.size()) == m.config.n_layers,
-                "set_predictor: expected one config per layer ({}), got {}", m.config.n_layers, per_layer.size());
+  const std::vector<LayerPredictor>& per_layer = host.predictor();
+  TWELL_REQUIRE(static_cast<int32_t>(per_layer.size()) == m.config.n_layers &&
+                    host.config().d_model == m.config.d_model && host.config().d_hidden == m.config.d_hidden,
+                "set_predictor: the host model has {} layer settings for D = {}, H = {}; this model has {} layers, "
+                "D = {}, H = {}",
+                per_layer.size(), host.config().d_model, host.config().d_hidden, m.config.n_layers, m.config.d_model,
+                m.config.d_hidden);
   // Refused here rather than at the first decode step, after the prompt has run.
   for (size_t layer = 0; layer < per_layer.size(); ++layer)
-    TWELL_REQUIRE(DecodeLayer::supports(per_layer[layer].kind),
+    TWELL_REQUIRE(DecodeLayer::supports(per_layer[layer].config.kind),
                   "layer {}: the CUDA decode FFN has no kernel for the {} predictor (CPU only); run `twell calibrate "
                   "--predictor one-bit` (or sign) for --device cuda, or decode on the CPU",
-                  layer, to_string(per_layer[layer].kind));
-  m.predictors = per_layer;
-  m.drop_graphs();  // the graphs hold the old settings as kernel arguments
+                  layer, to_string(per_layer[layer].config.kind));
+  // The graphs hold the old settings as kernel arguments, and a layer packed again frees the device
+  // arrays queued work may still read.
+  m.drop_graphs();
+  TWELL_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+  m.predictors.clear();
+  for (int32_t l = 0; l < m.config.n_layers; ++l) {
+    // The margin holds for the sign bits packed with the host's exact columns: take those bits.
+    DeviceLayer& layer = m.layers[l];
+    const SignBits& signs = host.relu_signs(l);
+    if (layer.signs.exact_columns != signs.exact_columns) {
+      layer.signs = signs;
+      layer.decode = std::make_unique<DecodeLayer>(layer.ffn, layer.signs);
+    }
+    m.predictors.push_back(per_layer[l].config);
+  }
 }
 
 void CudaModel::set_decode_graphs(bool enabled) {

@@ -148,20 +148,36 @@ void Model::set_ffn_path(FfnPath path) {
                   to_string(config_.activation),
                   config_.activation == FfnActivation::fatrelu ? " (threshold > 0: the sparse kernels implement plain relu)"
                                                                : "");
-  if (path == FfnPath::predict && relu_signs_.empty()) {
-    for (const LayerWeights& layer : weights_.layers)
-      relu_signs_.push_back(pack_sign_bits(layer.ffn.relu_projection().data(), config_.d_hidden, config_.d_model));
-  }
   // Until calibrated, the sign rule with an alpha so large that no neuron is predicted zero: exact.
   if (path == FfnPath::predict && predictors_.empty())
-    predictors_.assign(config_.n_layers, PredictorConfig{PredictorKind::sign_rule, 1e9, 0.0});
+    predictors_.assign(config_.n_layers, LayerPredictor{PredictorConfig{PredictorKind::sign_rule, 1e9, 0.0}, {}});
+  if (path == FfnPath::predict && relu_signs_.empty()) {
+    for (int32_t layer = 0; layer < config_.n_layers; ++layer)
+      relu_signs_.push_back(pack_relu_signs(layer, predictors_[layer].exact_columns));
+  }
   ffn_path_ = path;
 }
 
-void Model::set_predictor(std::vector<PredictorConfig> per_layer) {
+SignBits Model::pack_relu_signs(int32_t layer, const std::vector<int32_t>& exact_columns) const {
+  return pack_sign_bits(weights_.layers[layer].ffn.relu_projection().data(), config_.d_hidden, config_.d_model,
+                        exact_columns);
+}
+
+void Model::set_predictor(std::vector<LayerPredictor> per_layer) {
   TWELL_REQUIRE(static_cast<int32_t>(per_layer.size()) == config_.n_layers,
                 "set_predictor: expected one config per layer ({}), got {}", config_.n_layers, per_layer.size());
+  for (const LayerPredictor& layer : per_layer) validate_exact_columns(layer.exact_columns, config_.d_model);
+  for (int32_t layer = 0; layer < static_cast<int32_t>(relu_signs_.size()); ++layer)
+    if (relu_signs_[layer].exact_columns != per_layer[layer].exact_columns)
+      relu_signs_[layer] = pack_relu_signs(layer, per_layer[layer].exact_columns);
   predictors_ = std::move(per_layer);
+}
+
+const SignBits& Model::relu_signs(int32_t layer) const {
+  TWELL_REQUIRE(!relu_signs_.empty(), "relu_signs: select the predict path first");
+  TWELL_REQUIRE(layer >= 0 && layer < config_.n_layers, "relu_signs: layer {} outside [0, {})", layer,
+                config_.n_layers);
+  return relu_signs_[layer];
 }
 
 std::vector<std::vector<float>> Model::ffn_inputs(const std::vector<int32_t>& tokens) {
@@ -188,15 +204,20 @@ std::vector<std::vector<float>> Model::ffn_inputs(const std::vector<int32_t>& to
 }
 
 std::vector<Calibration> Model::calibrate_predictor(const std::vector<int32_t>& tokens, PredictorKind kind,
-                                                    double target_recall) {
+                                                    double target_recall, int max_exact_columns) {
   TWELL_REQUIRE(ffn_path_ == FfnPath::predict, "calibrate_predictor: select the predict path first");
   TWELL_REQUIRE(!tokens.empty(), "calibrate_predictor: needs at least one token");
   const std::vector<std::vector<float>> inputs = ffn_inputs(tokens);
+  const int64_t rows = static_cast<int64_t>(tokens.size());
   std::vector<Calibration> result;
   for (int32_t layer = 0; layer < config_.n_layers; ++layer) {
-    result.push_back(twell::calibrate_predictor(inputs[layer].data(), static_cast<int64_t>(tokens.size()),
-                                                weights_.layers[layer].ffn, relu_signs_[layer], kind, target_recall));
-    predictors_[layer] = result.back().config;
+    const FfnWeights& ffn = weights_.layers[layer].ffn;
+    std::vector<int32_t> exact_columns = choose_exact_columns(
+        inputs[layer].data(), rows, ffn.relu_projection().data(), config_.d_hidden, config_.d_model, max_exact_columns);
+    if (relu_signs_[layer].exact_columns != exact_columns) relu_signs_[layer] = pack_relu_signs(layer, exact_columns);
+    result.push_back(
+        twell::calibrate_predictor(inputs[layer].data(), rows, ffn, relu_signs_[layer], kind, target_recall));
+    predictors_[layer] = LayerPredictor{result.back().config, std::move(exact_columns)};
   }
   return result;
 }
@@ -217,7 +238,7 @@ void Model::ffn(int32_t layer_index, const float* x, int32_t rows, float* y) {
   if (capture_ffn_inputs_ != nullptr)
     (*capture_ffn_inputs_)[layer_index].assign(x, x + static_cast<int64_t>(rows) * config_.d_model);
   if (ffn_path_ == FfnPath::predict && rows <= kDecodeMaxRows) {
-    cpu::decode_ffn(x, rows, weights, relu_signs_[layer_index], predictors_[layer_index], y, ws.decode);
+    cpu::decode_ffn(x, rows, weights, relu_signs_[layer_index], predictors_[layer_index].config, y, ws.decode);
     return;
   }
   if (ffn_path_ != FfnPath::dense) {  // twell, and predict for steps longer than the decode kernels take

@@ -3,6 +3,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -12,13 +13,16 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "twell/convert.h"
 #include "twell/error.h"
 #include "twell/model.h"
 
 namespace twell {
 namespace {
 
-constexpr int kPredictorFileVersion = 1;
+// 2 added each layer's exact_columns. A version-1 file (none) still loads; a twell that knows only
+// version 1 refuses a version-2 file rather than apply its margins to sign bits without the columns.
+constexpr int kPredictorFileVersion = 2;
 
 uint64_t fnv1a(uint64_t hash, const void* data, size_t bytes) {
   const auto* p = static_cast<const unsigned char*>(data);
@@ -47,6 +51,7 @@ void save_predictor_record(const std::string& dir, const ModelConfig& config, co
     nlohmann::json layer = {{"layer", l},
                             {"kind", to_string(c.config.kind)},
                             {"fingerprint", hex(relu_projection_fingerprint(weights.layers[l].ffn))},
+                            {"exact_columns", c.exact_columns},
                             {"recall", c.quality.recall()},
                             {"predicted_over_active", c.quality.predicted_over_active()}};
     if (c.config.kind == PredictorKind::sign_rule)
@@ -88,7 +93,7 @@ void save_predictor_record(const std::string& dir, const ModelConfig& config, co
   }
 }
 
-std::optional<std::vector<PredictorConfig>> load_predictor_record(const std::string& dir, const ModelConfig& config,
+std::optional<std::vector<LayerPredictor>> load_predictor_record(const std::string& dir, const ModelConfig& config,
                                                                   const ModelWeights& weights) {
   const std::filesystem::path path = std::filesystem::path(dir) / kPredictorFileName;
   if (!std::filesystem::exists(path)) return std::nullopt;
@@ -101,8 +106,8 @@ std::optional<std::vector<PredictorConfig>> load_predictor_record(const std::str
   TWELL_REQUIRE(!file.is_discarded() && file.is_object(), "{}: not a JSON object", name);
   TWELL_REQUIRE(file.value("format", "") == "twell-predictor", "{}: 'format' must be \"twell-predictor\"", name);
   TWELL_REQUIRE(file.contains("version") && file["version"].is_number_integer() &&
-                    file["version"].get<int>() == kPredictorFileVersion,
-                "{}: 'version' must be {} (written by another twell?)", name, kPredictorFileVersion);
+                    file["version"].get<int>() >= 1 && file["version"].get<int>() <= kPredictorFileVersion,
+                "{}: 'version' must be 1 to {} (written by another twell?)", name, kPredictorFileVersion);
   const std::string stale = fmt::format("; run `twell calibrate -m {}` again or delete the file", dir);
   const nlohmann::json& model = file.value("model", nlohmann::json::object());
   const auto same = [&](const char* key, int32_t expected) {
@@ -116,7 +121,7 @@ std::optional<std::vector<PredictorConfig>> load_predictor_record(const std::str
   TWELL_REQUIRE(file.contains("layers") && file["layers"].is_array() &&
                     static_cast<int32_t>(file["layers"].size()) == config.n_layers,
                 "{}: 'layers' must be an array of {} entries{}", name, config.n_layers, stale);
-  std::vector<PredictorConfig> result;
+  std::vector<LayerPredictor> result;
   for (int32_t l = 0; l < config.n_layers; ++l) {
     const nlohmann::json& layer = file["layers"][l];
     TWELL_REQUIRE(layer.is_object() && layer.contains("kind") && layer["kind"].is_string() &&
@@ -126,13 +131,31 @@ std::optional<std::vector<PredictorConfig>> load_predictor_record(const std::str
     TWELL_REQUIRE(layer["fingerprint"].get<std::string>() == expected,
                   "{}: layers[{}] was calibrated on other gate weights (fingerprint {}, these weights {}){}", name, l,
                   layer["fingerprint"].get<std::string>(), expected, stale);
-    PredictorConfig predictor;
+    LayerPredictor stored;
+    PredictorConfig& predictor = stored.config;
     predictor.kind = parse_predictor_kind(layer["kind"].get<std::string>());
     const char* key = predictor.kind == PredictorKind::sign_rule ? "alpha" : "margin";
     TWELL_REQUIRE(layer.contains(key) && layer[key].is_number() && std::isfinite(layer[key].get<double>()),
                   "{}: layers[{}] ({}) needs a finite number '{}'", name, l, to_string(predictor.kind), key);
     (predictor.kind == PredictorKind::sign_rule ? predictor.alpha : predictor.margin) = layer[key].get<double>();
-    result.push_back(predictor);
+    if (layer.contains("exact_columns")) {  // absent in version 1: none
+      const nlohmann::json& columns = layer["exact_columns"];
+      TWELL_REQUIRE(columns.is_array() && std::all_of(columns.begin(), columns.end(),
+                                                      [](const nlohmann::json& c) { return c.is_number_integer(); }),
+                    "{}: layers[{}].exact_columns must be an array of column indices", name, l);
+      for (const nlohmann::json& column : columns) {
+        const int64_t index = column.get<int64_t>();
+        TWELL_REQUIRE(index >= 0 && index < config.d_model, "{}: layers[{}].exact_columns: column {} outside [0, {})",
+                      name, l, index, config.d_model);
+        stored.exact_columns.push_back(static_cast<int32_t>(index));
+      }
+      try {
+        validate_exact_columns(stored.exact_columns, config.d_model);
+      } catch (const Error& error) {
+        fail("{}: layers[{}].exact_columns: {}", name, l, error.what());
+      }
+    }
+    result.push_back(std::move(stored));
   }
   return result;
 }

@@ -47,6 +47,7 @@ struct DecodeBenchOptions {
   int reps = 50;
   uint64_t seed = 1;
   std::string json_path;
+  int exact_columns = kMaxExactColumns;  // at most, chosen on the calibration tokens
 };
 
 constexpr int kGraphCalls = 20;
@@ -328,11 +329,16 @@ void run_decode_bench(const DecodeBenchOptions& options) {
   WorkloadSpec spec{.rows = 1, .d_model = options.d_model, .d_hidden = options.d_hidden, .density = options.density,
                     .seed = options.seed};
   const FfnWeights weights = make_workload(spec).weights;
-  const SignBits signs = pack_sign_bits(weights.relu_projection().data(), options.d_hidden, options.d_model);
   const std::vector<float> samples = make_activations(options.calibration_rows, options.d_model, options.seed + 7777);
+  const float* projection = weights.relu_projection().data();
+  const SignBits signs = pack_sign_bits(projection, options.d_hidden, options.d_model,
+                                        choose_exact_columns(samples.data(), options.calibration_rows, projection,
+                                                             options.d_hidden, options.d_model, options.exact_columns));
   std::vector<PredictorConfig> predictors;
-  fmt::print("twell bench decode: {} D={} H={} density={} ({} calibration tokens, target recall {})\n", options.device,
-             options.d_model, options.d_hidden, options.density, options.calibration_rows, options.recall);
+  fmt::print("twell bench decode: {} D={} H={} density={} ({} calibration tokens, target recall {}, exact columns "
+             "[{}])\n",
+             options.device, options.d_model, options.d_hidden, options.density, options.calibration_rows,
+             options.recall, fmt::join(signs.exact_columns, ", "));
   // The normalized gates have no CUDA kernel yet.
   std::vector<PredictorKind> kinds = {PredictorKind::one_bit_gate, PredictorKind::sign_rule};
   if (!on_cuda) kinds.insert(kinds.end(), {PredictorKind::normalized_one_bit_gate, PredictorKind::two_bit_gate});
@@ -365,7 +371,8 @@ void run_decode_bench(const DecodeBenchOptions& options) {
   fmt::print("{:>3} {:>20} {:>10} {:>10} {:>9} {:>9} {:>8} {:>8} {:>10} {:>9}\n", "M", "impl", "median us",
              on_cuda ? "graph us" : "p90 us", "speedup", "rel_err", "recall", "precis.", "pred/tok", "floor bw");
 
-  const int64_t sign_bytes = static_cast<int64_t>(signs.bits.size()) * 4 + static_cast<int64_t>(signs.scale.size()) * 4;
+  const int64_t sign_bytes = static_cast<int64_t>(signs.bits.size()) * 4 +
+                             static_cast<int64_t>(signs.scale.size() + signs.exact_weights.size()) * 4;
   std::vector<BenchRecord> records;
   for (int64_t rows : options.rows) {
     spec.rows = rows;
@@ -460,6 +467,7 @@ void run_decode_bench(const DecodeBenchOptions& options) {
         record.extra["predictor"] = to_string(impl.predictor->kind);
         record.extra["alpha"] = impl.predictor->alpha;
         record.extra["margin"] = impl.predictor->margin;
+        record.extra["exact_columns"] = signs.exact_columns;
         record.extra["recall"] = recall;
         record.extra["precision"] = precision;
         record.extra["predicted_per_token"] = predicted_per_token;
@@ -505,6 +513,11 @@ void add_bench_decode(CLI::App& bench) {
   command->add_option("--reps", options->reps, "timed runs per impl")->capture_default_str();
   command->add_option("--seed", options->seed, "workload seed")->capture_default_str();
   command->add_option("--json", options->json_path, "write the records (bench_record.h schema) to this file");
+  command->add_option("--exact-columns", options->exact_columns,
+                      "at most this many exact columns of the relu projection, chosen on the calibration tokens (0 = "
+                      "none)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, kMaxExactColumns));
   command->callback([options] { run_decode_bench(*options); });
 }
 

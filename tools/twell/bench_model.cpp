@@ -213,12 +213,10 @@ void run_bench_model(const BenchModelOptions& options) {
       const std::vector<Calibration> calibration =
           model.calibrate_predictor(calibration_tokens, PredictorKind::one_bit_gate, options.recall);
       double active = 0, predicted = 0, recall = 0;
-      std::vector<PredictorConfig> configs;
       for (const Calibration& layer : calibration) {
         active += static_cast<double>(layer.quality.active) / layer.quality.pairs;
         predicted += layer.quality.predicted_fraction();
         recall += layer.quality.recall();
-        configs.push_back(layer.config);
       }
       const double layers = static_cast<double>(calibration.size());
       predictor_info = {{"active_fraction", active / layers}, {"predicted_fraction", predicted / layers},
@@ -229,7 +227,7 @@ void run_bench_model(const BenchModelOptions& options) {
 #ifdef TWELL_HAVE_CUDA
       if (on_gpu) {
         gpu->set_ffn_path(path);
-        gpu->set_predictor(configs);
+        gpu->set_predictor(model);
       }
 #endif
     }

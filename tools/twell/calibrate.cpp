@@ -1,5 +1,6 @@
 // `twell calibrate`: chooses the decode predictor's per-layer setting (alpha for the sign rule,
-// margin for the one-bit gate) for a target recall on sample tokens (include/twell/decode.h).
+// margin for the gates) for a target recall on sample tokens (include/twell/decode.h), after choosing
+// each layer's exact columns on the same tokens (choose_exact_columns, at most --exact-columns).
 //   -m DIR -f TEXT   a checkpoint, on the FFN inputs of a text: the result is stored with the model
 //                    as DIR/twell_predictor.json (twell/predictor_store.h), which Model::load reads.
 //   otherwise        the one layer of the synthetic workload (speed studies only: its sign agreement
@@ -36,11 +37,21 @@ struct CalibrateOptions {
   std::string text_file;
   int32_t max_tokens = 4096;
   int32_t window = 256;
+  int exact_columns = kMaxExactColumns;
 };
+
+// W's sign bits with the exact columns chosen on the samples x [rows, D].
+SignBits pack_for_samples(const float* samples, int64_t rows, const FfnWeights& weights, int max_exact_columns) {
+  const float* projection = weights.relu_projection().data();
+  return pack_sign_bits(projection, weights.d_hidden, weights.d_model,
+                        choose_exact_columns(samples, rows, projection, weights.d_hidden, weights.d_model,
+                                             max_exact_columns));
+}
 
 void calibrate_model(const CalibrateOptions& options) {
   TWELL_REQUIRE(!options.text_file.empty(), "-m needs -f TEXT: the text whose FFN inputs calibrate the predictor");
-  TWELL_REQUIRE(options.predictor != "both", "--predictor both: a model stores one predictor kind");
+  TWELL_REQUIRE(options.predictor != "both" && options.predictor != "all",
+                "--predictor {}: a model stores one predictor kind", options.predictor);
   const PredictorKind kind = parse_predictor_kind(options.predictor.empty() ? "two-bit-norm" : options.predictor);
   cpu::set_num_threads(options.threads);
   Model model = Model::load(options.model_dir);
@@ -55,14 +66,15 @@ void calibrate_model(const CalibrateOptions& options) {
              options.recall);
   for (int32_t l = 0; l < config.n_layers; ++l) {
     const FfnWeights& weights = model.weights().layers[l].ffn;
-    const SignBits signs = pack_sign_bits(weights.relu_projection().data(), config.d_hidden, config.d_model);
+    const SignBits signs = pack_for_samples(samples.ffn_inputs[l].data(), samples.tokens, weights, options.exact_columns);
     record.layers.push_back(calibrate_predictor(samples.ffn_inputs[l].data(), samples.tokens, weights, signs, kind,
                                                 options.recall));
     const Calibration& c = record.layers.back();
-    fmt::print("  layer {:>3}: {} = {:.6g}: recall {:.4f}, predicted {:.2f}% of neurons ({:.1f}x the active set)\n", l,
-               kind == PredictorKind::sign_rule ? "alpha" : "margin",
-               kind == PredictorKind::sign_rule ? c.config.alpha : c.config.margin, c.quality.recall(),
-               100 * c.quality.predicted_fraction(), c.quality.predicted_over_active());
+    fmt::print("  layer {:>3}: {} = {:.6g}, exact columns [{}]: recall {:.4f}, predicted {:.2f}% of neurons ({:.1f}x the "
+               "active set)\n",
+               l, kind == PredictorKind::sign_rule ? "alpha" : "margin",
+               kind == PredictorKind::sign_rule ? c.config.alpha : c.config.margin, fmt::join(c.exact_columns, ", "),
+               c.quality.recall(), 100 * c.quality.predicted_fraction(), c.quality.predicted_over_active());
   }
   save_predictor_record(options.model_dir, config, model.weights(), record);
   fmt::print("wrote {}/{}\n", options.model_dir, kPredictorFileName);
@@ -74,19 +86,27 @@ void run_calibrate(const CalibrateOptions& options) {
   std::vector<PredictorKind> kinds;
   if (options.predictor.empty() || options.predictor == "both")
     kinds = {PredictorKind::one_bit_gate, PredictorKind::sign_rule};
+  else if (options.predictor == "all")
+    kinds = {PredictorKind::sign_rule, PredictorKind::one_bit_gate, PredictorKind::normalized_one_bit_gate,
+             PredictorKind::two_bit_gate};
   else
     kinds = {parse_predictor_kind(options.predictor)};
   cpu::set_num_threads(options.threads);
   WorkloadSpec spec{.rows = 1, .d_model = options.d_model, .d_hidden = options.d_hidden, .density = options.density,
                     .seed = options.seed};
   const FfnWeights weights = make_workload(spec).weights;
-  const SignBits signs = pack_sign_bits(weights.relu_projection().data(), options.d_hidden, options.d_model);
   // Sample tokens drawn apart from the workload's own x, as calibration data would be.
   const std::vector<float> samples = make_activations(options.rows, options.d_model, options.seed + 7777);
-  nlohmann::json layer = {{"layer", 0}, {"d_model", options.d_model}, {"d_hidden", options.d_hidden},
-                          {"sample_tokens", options.rows}, {"target_recall", options.recall}};
-  fmt::print("synthetic workload D={} H={} density={}, {} sample tokens, target recall {}\n", options.d_model,
-             options.d_hidden, options.density, options.rows, options.recall);
+  const SignBits signs = pack_for_samples(samples.data(), options.rows, weights, options.exact_columns);
+  nlohmann::json layer = {{"layer", 0},
+                          {"d_model", options.d_model},
+                          {"d_hidden", options.d_hidden},
+                          {"sample_tokens", options.rows},
+                          {"target_recall", options.recall},
+                          {"exact_columns", signs.exact_columns}};
+  fmt::print("synthetic workload D={} H={} density={}, {} sample tokens, target recall {}, exact columns [{}]\n",
+             options.d_model, options.d_hidden, options.density, options.rows, options.recall,
+             fmt::join(signs.exact_columns, ", "));
   for (PredictorKind kind : kinds) {
     const Calibration c = calibrate_predictor(samples.data(), options.rows, weights, signs, kind, options.recall);
     fmt::print("  {:<8} {} = {:.6g}: recall {:.4f}, precision {:.4f}, predicted {:.2f}% of neurons ({:.1f}x the {:.1f} "
@@ -127,9 +147,13 @@ void add_calibrate(CLI::App& app) {
   command->add_option("--max-tokens", options->max_tokens, "with -m: tokens of the text to use")->capture_default_str();
   command->add_option("--window", options->window, "with -m: tokens per forward pass (fresh context each)")
       ->capture_default_str();
-  command->add_option("--predictor", options->predictor, "sign, one-bit, one-bit-norm, two-bit-norm or both "
-                      "(synthetic: one-bit and sign); default: both synthetic, two-bit-norm for a model (CPU only so "
-                      "far: one-bit for a model that decodes on CUDA)");
+  command->add_option("--predictor", options->predictor, "sign, one-bit, one-bit-norm, two-bit-norm, both "
+                      "(synthetic: one-bit and sign) or all (synthetic); default: both synthetic, two-bit-norm for a "
+                      "model (CPU only so far: one-bit for a model that decodes on CUDA)");
+  command->add_option("--exact-columns", options->exact_columns,
+                      "at most this many exact columns per layer, chosen on the sample tokens (0 = none)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, kMaxExactColumns));
   command->add_option("--seed", options->seed, "workload seed")->capture_default_str();
   command->add_option("--threads", options->threads, "CPU threads, 0 = all cores")->capture_default_str();
   command->add_option("--json", options->json_path, "write the chosen settings to this file");

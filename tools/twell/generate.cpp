@@ -88,7 +88,7 @@ void run_generate(const GenerateOptions& options) {
   if (options.device == "cuda") {
     gpu = std::make_unique<cuda::CudaModel>(model);
     gpu->set_ffn_path(path);
-    if (path == FfnPath::predict) gpu->set_predictor(model.predictor());
+    if (path == FfnPath::predict) gpu->set_predictor(model);
     gpu->reset(1, std::max(capacity, 1));
     std::fprintf(stderr, "twell: weights on %s (bf16)\n", cuda::device_name());
     forward = [&](const int32_t* tokens, int32_t n, float* logits) { gpu->forward(tokens, n, logits); };

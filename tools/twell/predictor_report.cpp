@@ -5,8 +5,10 @@
 // is what a calibration achieves on text it has not seen. Per layer and predictor: recall,
 // precision, truly active and predicted neurons per token, the predicted set as a multiple of the
 // active set, and the decode FFN's relative L2 error against the exact FFN (everything predicted).
-// --stored measures instead the calibration stored with the model (twell_predictor.json) on the
-// whole text: how a calibration made on one text holds on another.
+// Each layer's exact columns (choose_exact_columns, at most --exact-columns; 0 = none) are chosen on
+// the calibration part too. --stored measures instead the calibration stored with the model
+// (twell_predictor.json, with its exact columns) on the whole text: how a calibration made on one
+// text holds on another.
 #include <algorithm>
 #include <cmath>
 #include <fstream>
@@ -36,6 +38,7 @@ struct ReportOptions {
   std::string out_prefix = "twell-predictor";
   int threads = 0;
   bool stored = false;
+  int exact_columns = kMaxExactColumns;
 };
 
 // Relative L2 error of the decode FFN with `predictor` against the same FFN with every neuron
@@ -62,6 +65,7 @@ double decode_ffn_error(const float* x, int64_t rows, const FfnWeights& weights,
 struct Row {
   int32_t layer;
   PredictorKind kind;
+  int32_t exact_columns;  // how many the layer's sign bits keep exact
   double setting;  // alpha or margin
   double calibration_recall;
   PredictorQuality quality;  // on the evaluation part
@@ -82,7 +86,7 @@ void run_report(const ReportOptions& options) {
   const ModelConfig& config = model.config();
   TWELL_REQUIRE(config.activation == FfnActivation::relu,
                 "predictor-report needs a ReLU FFN; this model's activation is {}", to_string(config.activation));
-  const std::vector<PredictorConfig> stored = model.predictor();
+  const std::vector<LayerPredictor> stored = model.predictor();
   TWELL_REQUIRE(!options.stored || !stored.empty(), "--stored: {} has no twell_predictor.json (run `twell calibrate -m "
                 "{} -f TEXT` first)", options.model_dir, options.model_dir);
   const TextSamples all = text_ffn_inputs(model, options.model_dir, options.text_file, options.max_tokens, options.window);
@@ -98,19 +102,25 @@ void run_report(const ReportOptions& options) {
   const TextSamples evaluation = slice_rows(all, boundary, all.tokens, config.d_model);
   if (options.stored) {
     kinds.clear();
-    for (const PredictorConfig& layer : stored)
-      if (std::find(kinds.begin(), kinds.end(), layer.kind) == kinds.end()) kinds.push_back(layer.kind);
+    for (const LayerPredictor& layer : stored)
+      if (std::find(kinds.begin(), kinds.end(), layer.config.kind) == kinds.end()) kinds.push_back(layer.config.kind);
   }
 
   std::vector<Row> rows;
   for (int32_t l = 0; l < config.n_layers; ++l) {
     const FfnWeights& weights = model.weights().layers[l].ffn;
-    const SignBits signs = pack_sign_bits(weights.relu_projection().data(), config.d_hidden, config.d_model);
+    const float* projection = weights.relu_projection().data();
+    const std::vector<int32_t> exact_columns =
+        options.stored ? stored[l].exact_columns
+                       : choose_exact_columns(calibration.ffn_inputs[l].data(), calibration.tokens, projection,
+                                              config.d_hidden, config.d_model, options.exact_columns);
+    const SignBits signs = pack_sign_bits(projection, config.d_hidden, config.d_model, exact_columns);
+    const int32_t exact_count = static_cast<int32_t>(exact_columns.size());
     if (options.stored) {
-      const PredictorConfig& c = stored[l];
+      const PredictorConfig& c = stored[l].config;
       const PredictorQuality q = measure_predictor(evaluation.ffn_inputs[l].data(), evaluation.tokens, weights, signs, c);
       const double error = decode_ffn_error(evaluation.ffn_inputs[l].data(), evaluation.tokens, weights, signs, c);
-      rows.push_back({l, c.kind, c.kind == PredictorKind::sign_rule ? c.alpha : c.margin, NAN, q, error});
+      rows.push_back({l, c.kind, exact_count, c.kind == PredictorKind::sign_rule ? c.alpha : c.margin, NAN, q, error});
       continue;
     }
     for (PredictorKind kind : kinds) {
@@ -119,8 +129,8 @@ void run_report(const ReportOptions& options) {
       const PredictorQuality q =
           measure_predictor(evaluation.ffn_inputs[l].data(), evaluation.tokens, weights, signs, c.config);
       const double error = decode_ffn_error(evaluation.ffn_inputs[l].data(), evaluation.tokens, weights, signs, c.config);
-      rows.push_back({l, kind, kind == PredictorKind::sign_rule ? c.config.alpha : c.config.margin, c.quality.recall(), q,
-                      error});
+      rows.push_back({l, kind, exact_count, kind == PredictorKind::sign_rule ? c.config.alpha : c.config.margin,
+                      c.quality.recall(), q, error});
     }
   }
 
@@ -132,28 +142,31 @@ void run_report(const ReportOptions& options) {
     fmt::print("{}: {} layers, D={}, H={}; {} tokens of {}: {} calibrate, {} measure; target recall {}\n",
                config.model_type, config.n_layers, config.d_model, config.d_hidden, all.tokens, options.text_file,
                calibration.tokens, evaluation.tokens, options.recall);
-  fmt::print("{:>5} {:>12} {:>11} {:>8} {:>9} {:>9} {:>10} {:>12} {:>10} {:>10}\n", "layer", "kind", "alpha/margin",
-             "recall", "precision", "active/t", "predicted/t", "pred/active", "pred %", "FFN rel err");
+  fmt::print("{:>5} {:>12} {:>5} {:>11} {:>8} {:>9} {:>9} {:>10} {:>12} {:>10} {:>10}\n", "layer", "kind", "exact",
+             "alpha/margin", "recall", "precision", "active/t", "predicted/t", "pred/active", "pred %", "FFN rel err");
   std::ofstream csv(options.out_prefix + ".csv");
   TWELL_REQUIRE(csv.good(), "cannot write '{}.csv'", options.out_prefix);
-  csv << "layer,kind,setting,calibration_recall,recall,precision,active_per_token,predicted_per_token,"
+  csv << "layer,kind,exact_columns,setting,calibration_recall,recall,precision,active_per_token,predicted_per_token,"
          "predicted_over_active,predicted_fraction,ffn_rel_err\n";
   nlohmann::json json_rows = nlohmann::json::array();
-  const auto print = [&](const std::string& layer, PredictorKind kind, const std::string& setting, double recall,
-                         double precision, double active, double predicted, double ratio, double fraction,
-                         double error) {
-    fmt::print("{:>5} {:>12} {:>11} {:>8.4f} {:>9.4f} {:>9.1f} {:>10.1f} {:>11.2f}x {:>9.2f}% {:>10.2e}\n", layer,
-               to_string(kind), setting, recall, precision, active, predicted, ratio, 100 * fraction, error);
+  const auto print = [&](const std::string& layer, PredictorKind kind, const std::string& exact,
+                         const std::string& setting, double recall, double precision, double active, double predicted,
+                         double ratio, double fraction, double error) {
+    fmt::print("{:>5} {:>12} {:>5} {:>11} {:>8.4f} {:>9.4f} {:>9.1f} {:>10.1f} {:>11.2f}x {:>9.2f}% {:>10.2e}\n", layer,
+               to_string(kind), exact, setting, recall, precision, active, predicted, ratio, 100 * fraction, error);
   };
   const double per_token = 1.0 / static_cast<double>(evaluation.tokens);
   for (const Row& r : rows) {
     const PredictorQuality& q = r.quality;
-    print(std::to_string(r.layer), r.kind, fmt::format("{:.4g}", r.setting), q.recall(), q.precision(),
-          q.active * per_token, q.predicted * per_token, q.predicted_over_active(), q.predicted_fraction(), r.ffn_error);
-    csv << fmt::format("{},{},{:.9g},{:.6f},{:.6f},{:.6f},{:.3f},{:.3f},{:.4f},{:.6f},{:.6e}\n", r.layer, to_string(r.kind),
-                       r.setting, r.calibration_recall, q.recall(), q.precision(), q.active * per_token,
-                       q.predicted * per_token, q.predicted_over_active(), q.predicted_fraction(), r.ffn_error);
-    json_rows.push_back({{"layer", r.layer}, {"kind", to_string(r.kind)}, {"setting", r.setting},
+    print(std::to_string(r.layer), r.kind, std::to_string(r.exact_columns), fmt::format("{:.4g}", r.setting), q.recall(),
+          q.precision(), q.active * per_token, q.predicted * per_token, q.predicted_over_active(), q.predicted_fraction(),
+          r.ffn_error);
+    csv << fmt::format("{},{},{},{:.9g},{:.6f},{:.6f},{:.6f},{:.3f},{:.3f},{:.4f},{:.6f},{:.6e}\n", r.layer,
+                       to_string(r.kind), r.exact_columns, r.setting, r.calibration_recall, q.recall(), q.precision(),
+                       q.active * per_token, q.predicted * per_token, q.predicted_over_active(), q.predicted_fraction(),
+                       r.ffn_error);
+    json_rows.push_back({{"layer", r.layer}, {"kind", to_string(r.kind)}, {"exact_columns", r.exact_columns},
+                         {"setting", r.setting},
                          {"calibration_recall", r.calibration_recall}, {"recall", q.recall()},
                          {"precision", q.precision()}, {"active_per_token", q.active * per_token},
                          {"predicted_per_token", q.predicted * per_token},
@@ -176,7 +189,7 @@ void run_report(const ReportOptions& options) {
       error += r.ffn_error;
       ++n;
     }
-    print("mean", kind, "", recall / n, precision / n, active / n, predicted / n, ratio / n, fraction / n, error / n);
+    print("mean", kind, "", "", recall / n, precision / n, active / n, predicted / n, ratio / n, fraction / n, error / n);
     means[to_string(kind)] = {{"recall", recall / n},          {"precision", precision / n},
                               {"active_per_token", active / n}, {"predicted_per_token", predicted / n},
                               {"predicted_over_active", ratio / n}, {"predicted_fraction", fraction / n},
@@ -189,6 +202,7 @@ void run_report(const ReportOptions& options) {
                          {"d_model", config.d_model},
                          {"d_hidden", config.d_hidden},
                          {"stored_calibration", options.stored},
+                         {"max_exact_columns", options.stored ? -1 : options.exact_columns},
                          {"target_recall", options.recall},
                          {"calibration_tokens", calibration.tokens},
                          {"evaluation_tokens", evaluation.tokens},
@@ -217,6 +231,10 @@ void add_predictor_report(CLI::App& app) {
   command->add_option("--window", options->window, "tokens per forward pass (fresh context each)")->capture_default_str();
   command->add_option("-o,--out", options->out_prefix, "output prefix: PREFIX.csv, PREFIX.json")->capture_default_str();
   command->add_option("--threads", options->threads, "CPU threads (0 = all cores)")->capture_default_str();
+  command->add_option("--exact-columns", options->exact_columns,
+                      "at most this many exact columns per layer, chosen on the calibration part (0 = none)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, kMaxExactColumns));
   command->add_flag("--stored", options->stored,
                     "measure the model's stored twell_predictor.json on the whole text instead of calibrating");
   command->callback([options] { run_report(*options); });
