@@ -169,21 +169,33 @@ TEST_F(CudaModelTest, GraphDecodeMatchesEagerDecode) {
   }
 }
 
-// The CUDA runtime and the CPU runtime agree on a synthetic model (tokens of a greedy run).
+// The CUDA runtime and the CPU runtime agree on a synthetic model: a prompt, then a continuation
+// longer than one 64-token tile of the fused attention over the cached prompt, at head_dim 32 (the
+// fused prefill attention) and 8 (the GEMM path).
 TEST_F(CudaModelTest, SyntheticModelMatchesCpu) {
-  const ModelConfig config = synthetic_model_config("tiny");
-  Model host(config, make_synthetic_weights(config, 0.05, 5));
-  cuda::CudaModel gpu(host);
-  const std::vector<int32_t> prompt = {1, 2, 3, 250, 128, 64, 32, 16, 8};
-  const int32_t n = static_cast<int32_t>(prompt.size());
-  KvCache cache = host.new_cache(n);
-  std::vector<float> cpu_logits(static_cast<size_t>(n) * config.vocab_size), gpu_logits(cpu_logits.size());
-  host.forward(prompt.data(), n, cache, cpu_logits.data(), true);
-  gpu.reset(1, n);
-  gpu.forward(prompt.data(), n, gpu_logits.data(), true);
-  const double error = relative_l2(gpu_logits.data(), cpu_logits);
-  std::printf("[ synthetic tiny ] logits relative L2, CUDA vs CPU: %.3g\n", error);
-  EXPECT_LT(error, kLogitTolerance);
+  for (const int32_t head_dim : {32, 8}) {
+    ModelConfig config = synthetic_model_config("tiny");
+    config.head_dim = head_dim;
+    Model host(config, make_synthetic_weights(config, 0.05, 5));
+    cuda::CudaModel gpu(host);
+    const std::vector<int32_t> prompt = {1, 2, 3, 250, 128, 64, 32, 16, 8};
+    std::vector<int32_t> continuation(70);
+    for (size_t i = 0; i < continuation.size(); ++i) continuation[i] = static_cast<int32_t>((37 * i + 11) % 256);
+    const auto capacity = static_cast<int32_t>(prompt.size() + continuation.size());
+    KvCache cache = host.new_cache(capacity);
+    gpu.reset(1, capacity);
+    const std::vector<int32_t>* parts[] = {&prompt, &continuation};
+    for (const std::vector<int32_t>* part : parts) {
+      const auto n = static_cast<int32_t>(part->size());
+      std::vector<float> cpu_logits(static_cast<size_t>(n) * config.vocab_size), gpu_logits(cpu_logits.size());
+      host.forward(part->data(), n, cache, cpu_logits.data(), true);
+      gpu.forward(part->data(), n, gpu_logits.data(), true);
+      const double error = relative_l2(gpu_logits.data(), cpu_logits);
+      const char* what = part == &prompt ? "prompt" : "continuation";
+      std::printf("[ synthetic tiny, head_dim %d, %s ] logits relative L2, CUDA vs CPU: %.3g\n", head_dim, what, error);
+      EXPECT_LT(error, kLogitTolerance) << "head_dim " << head_dim << ", " << what;
+    }
+  }
 }
 
 TEST_F(CudaModelTest, RefusesBadInput) {

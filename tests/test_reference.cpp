@@ -246,5 +246,36 @@ TEST(Reference, BadInputsThrow) {
   EXPECT_THROW(ref::hybrid_ffn_backward(work.x.data(), hybrid, work.weights, nullptr, 0.1), Error);
 }
 
+// Cases whose attention is known in closed form: token t of a sequence starting at position 0 with
+// every key zero averages the values 0 ..= t; a key far above the others takes all the weight.
+TEST(Reference, CausalAttentionKnownCases) {
+  const ref::CachedAttentionShape shape{2, 3, 4, 2, 2, 5, 0};  // B 2, n 3, H_q 4, H_kv 2, Dh 2, cap 5
+  const size_t cache = 2 * 2 * 5 * 2;
+  std::vector<float> q(2 * 4 * 3 * 2, 1.0f), zeros(cache, 0.0f), values(cache);
+  for (size_t e = 0; e < cache; ++e) values[e] = static_cast<float>(e);
+  const std::vector<double> mean = ref::causal_attention(q.data(), zeros.data(), values.data(), shape, 1.0);
+  for (int32_t b = 0; b < 2; ++b)
+    for (int32_t t = 0; t < 3; ++t)
+      for (int32_t h = 0; h < 4; ++h)
+        for (int32_t d = 0; d < 2; ++d) {
+          double sum = 0;  // query head h reads kv head h / 2
+          for (int32_t j = 0; j <= t; ++j) sum += values[((b * 2 + h / 2) * 5 + j) * 2 + d];
+          EXPECT_NEAR(mean[((b * 3 + t) * 4 + h) * 2 + d], sum / (t + 1), 1e-12);
+        }
+  // start 2: the cache's position 1 has a large key, seen by every new token (positions 2, 3, 4).
+  ref::CachedAttentionShape continued = shape;
+  continued.start = 2;
+  std::vector<float> keys(cache, 0.0f);
+  for (int32_t bk = 0; bk < 4; ++bk) keys[(bk * 5 + 1) * 2] = 100.0f;
+  const std::vector<double> peaked = ref::causal_attention(q.data(), keys.data(), values.data(), continued, 1.0);
+  for (int32_t b = 0; b < 2; ++b)
+    for (int32_t t = 0; t < 3; ++t)
+      for (int32_t h = 0; h < 4; ++h)
+        for (int32_t d = 0; d < 2; ++d)
+          EXPECT_NEAR(peaked[((b * 3 + t) * 4 + h) * 2 + d], values[((b * 2 + h / 2) * 5 + 1) * 2 + d], 1e-9);
+  continued.start = 3;  // 3 + 3 positions > cap 5
+  EXPECT_THROW(ref::causal_attention(q.data(), keys.data(), values.data(), continued, 1.0), Error);
+}
+
 }  // namespace
 }  // namespace twell

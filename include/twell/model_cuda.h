@@ -3,7 +3,8 @@
 //
 //   h = embed[token]                                   (fp32 [B·n, D])
 //   per layer:  x = rms(h) -> one QKV GEMM (+bias) -> RoPE -> K, V into the device cache
-//               attention: n > 1 (prefill): batched cuBLASLt Q·K^T, causal softmax, P·V;
+//               attention: n > 1 (prefill): one fused flash-style kernel (head dims 16, 32, 64, 128;
+//                          others: batched cuBLASLt Q·K^T, causal softmax, P·V);
 //                          n = 1 (decode): one kernel over the cache
 //               h += O-proj GEMM (accumulated into h in fp32)
 //               x = rms(h) -> FFN (--ffn dense: cuda::DenseFfn; twell: cuda::SparseFfn; predict:

@@ -69,4 +69,20 @@ std::vector<double> two_bit_gate(const float* x, int64_t rows, const SignBits& g
 std::vector<double> decode_ffn(const float* x, int64_t rows, const FfnWeights& weights,
                                const std::vector<uint8_t>& predicted_active);
 
+// Causal grouped-query attention of n new tokens per sequence over a KV cache that already holds
+// their keys and values (positions start .. start + n - 1 after the start cached before them): token
+// t sees positions 0 ..= start + t, and query head h reads kv head h / (H_q / H_kv).
+struct CachedAttentionShape {
+  int32_t batch = 0;       // B
+  int32_t tokens = 0;      // n per sequence
+  int32_t n_heads = 0;     // H_q
+  int32_t n_kv_heads = 0;  // H_kv
+  int32_t head_dim = 0;    // Dh
+  int32_t stride = 0;      // positions per (sequence, kv head) in the cache, >= start + n
+  int32_t start = 0;       // positions cached before the new tokens
+};
+// softmax(scale·q·K^T)·V.  q [B, H_q, n, Dh], keys and values [B, H_kv, stride, Dh] -> [B·n, H_q·Dh]
+std::vector<double> causal_attention(const float* q, const float* keys, const float* values,
+                                     const CachedAttentionShape& shape, double scale);
+
 }  // namespace twell::ref

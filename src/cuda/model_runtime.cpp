@@ -7,6 +7,7 @@
 #include "cuda/cuda_utils.h"
 #include "cuda/gemm.h"
 #include "cuda/model_kernels.h"
+#include "cuda/prefill_attention.h"
 #include "twell/convert.h"
 #include "twell/cuda.h"
 #include "twell/decode_cuda.h"
@@ -17,11 +18,6 @@ namespace twell::cuda {
 namespace {
 
 namespace mk = model_kernels;
-
-// Prefill attention materializes the scores of as many sequences at a time as fit in this.
-constexpr int64_t kScoresBudgetBytes = int64_t{1} << 30;
-// Cache positions per (sequence, head) are padded to this so every GEMM row starts 16-byte aligned.
-constexpr int32_t kPositionAlign = 8;
 
 DeviceArray<float> upload_f32(const std::vector<float>& host) {
   DeviceArray<float> device = make_device_array<float>(host.size());
@@ -60,6 +56,7 @@ struct CudaModel::Impl {
   DenseFfn dense_batch;   // steps of n > 1 tokens
   DenseFfn dense_decode;  // steps of n = 1 (its buffers stay put once a graph holds them)
   std::unique_ptr<SparseFfn> sparse;
+  GemmPrefillAttention gemm_attention;  // used for head dims the fused kernel lacks
 
   // KV cache and step state
   int32_t batch = 0, capacity = 0, cache_stride = 0, length = 0;
@@ -76,9 +73,6 @@ struct CudaModel::Impl {
   DeviceBuffer<bf16> qkv;         // [rows, H_q·Dh + 2·H_kv·Dh]
   DeviceBuffer<bf16> q;           // [B, H_q, n, Dh]
   DeviceBuffer<bf16> attention;   // [rows, H_q·Dh]
-  DeviceBuffer<bf16> heads;       // [chunk, H_q, n, Dh] prefill attention output
-  DeviceBuffer<float> scores;     // [chunk, H_q, n, Lp]
-  DeviceBuffer<bf16> probs;       // [chunk, H_q, n, Lp]
   DeviceBuffer<bf16> ffn_out;     // [rows, D]
   DeviceBuffer<float> ffn_out_f32;  // [rows, D] (DecodeLayer)
   DeviceBuffer<float> logits;     // [out rows, V]
@@ -126,38 +120,6 @@ struct CudaModel::Impl {
     return path == FfnPath::dense || (path == FfnPath::predict && batch <= kDecodeMaxRows);
   }
 
-  void prefill_attention(int32_t n, bf16* k_layer, bf16* v_layer) {
-    const ModelConfig& c = config;
-    const int32_t dh = c.head_dim, group = c.n_heads / c.n_kv_heads;
-    const int32_t start = length;
-    const int32_t padded = round_up(start + n, kPositionAlign);  // Lp: keys past start + n are masked
-    const int64_t per_sequence = int64_t{c.n_heads} * n * padded;
-    const int32_t chunk = static_cast<int32_t>(
-        std::clamp<int64_t>(kScoresBudgetBytes / (per_sequence * int64_t{sizeof(float)}), 1, batch));
-    grow(scores, chunk * per_sequence);
-    grow(probs, chunk * per_sequence);
-    grow(heads, int64_t{chunk} * c.n_heads * n * dh);
-    const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
-    const int64_t kv_stride = int64_t{cache_stride} * dh;  // one (sequence, kv head) of the cache
-    const int64_t group_rows = int64_t{group} * n;         // one kv head's query rows (head-major q)
-    for (int32_t first = 0; first < batch; first += chunk) {
-      const int32_t count = std::min(chunk, batch - first);
-      const GemmBatch per_kv_head{count * c.n_kv_heads, group_rows * dh, kv_stride, group_rows * padded};
-      const bf16* q_chunk = q.data() + int64_t{first} * c.n_heads * n * dh;
-      const int64_t cache_offset = int64_t{first} * c.n_kv_heads * kv_stride;
-      // scores [group·n, Lp] = q [group·n, Dh] · K^T, per (sequence, kv head)
-      gemm.run(group_rows, padded, dh, {q_chunk, dh, false}, {k_layer + cache_offset, dh, true}, scores.data(), padded,
-               GemmOutput::f32, 0.0f, stream, GemmEpilogue::none, per_kv_head);
-      mk::causal_softmax(scores.data(), int64_t{count} * c.n_heads * n, n, start, padded, scale, probs.data(), stream);
-      // heads [group·n, Dh] = P [group·n, Lp] · V [Lp, Dh]
-      const GemmBatch pv{count * c.n_kv_heads, group_rows * padded, kv_stride, group_rows * dh};
-      gemm.run(group_rows, dh, padded, {probs.data(), padded, false}, {v_layer + cache_offset, dh, false}, heads.data(),
-               dh, GemmOutput::bf16, 0.0f, stream, GemmEpilogue::none, pv);
-      const mk::AttentionShape shape{count, n, c.n_heads, c.n_kv_heads, dh, cache_stride};
-      mk::heads_to_tokens(heads.data(), shape, attention.data() + int64_t{first} * n * q_dim(), stream);
-    }
-  }
-
   void ffn(int32_t layer_index, int32_t n) {
     DeviceLayer& layer = layers[layer_index];
     const int64_t rows = int64_t{batch} * n, count = rows * config.d_model;
@@ -196,8 +158,10 @@ struct CudaModel::Impl {
                    k_layer, v_layer, stream);
       if (n == 1)
         mk::decode_attention(q.data(), k_layer, v_layer, shape, length_device.data(), scale, attention.data(), stream);
+      else if (fused_prefill_attention_supports(c.head_dim))
+        fused_prefill_attention(q.data(), k_layer, v_layer, shape, length, scale, attention.data(), stream);
       else
-        prefill_attention(n, k_layer, v_layer);
+        gemm_attention.run(gemm, q.data(), k_layer, v_layer, shape, length, scale, attention.data(), stream);
       // h [rows, D] += attention [rows, H_q·Dh] · Wo^T, accumulated in fp32 by the GEMM
       gemm.run(rows, d, q_dim(), {attention.data(), q_dim(), false}, {layer.wo.get(), q_dim(), true}, hidden.data(), d,
                GemmOutput::f32, 1.0f, stream);
@@ -396,7 +360,7 @@ void CudaModel::reset(int32_t batch, int32_t capacity) {
   const ModelConfig& c = m.config;
   TWELL_REQUIRE(batch >= 1, "batch must be >= 1, got {}", batch);
   TWELL_REQUIRE(capacity >= 1, "KV cache capacity must be >= 1, got {}", capacity);
-  const int32_t stride = round_up(capacity, kPositionAlign);
+  const int32_t stride = round_up(capacity, kGemmAttentionPositionAlign);
   const int32_t most = mk::decode_attention_max_positions();
   TWELL_REQUIRE(stride <= most, "KV cache capacity {} exceeds the {} positions the decode attention kernel holds",
                 capacity, most);
@@ -409,8 +373,8 @@ void CudaModel::reset(int32_t batch, int32_t capacity) {
   m.grow(m.v_cache, cache_elements);
   m.grow(m.tokens, int64_t{batch} * capacity);
   m.grow(m.history, int64_t{batch} * stride);
-  // Zeros, so the padded positions a prefill GEMM reads past the sequence are finite (their
-  // probabilities are 0, and 0·NaN would not be).
+  // Zeros, so the padded positions the GEMM prefill attention reads past the sequence are finite
+  // (their probabilities are 0, and 0·NaN would not be).
   TWELL_CUDA_CHECK(cudaMemsetAsync(m.k_cache.data(), 0, cache_elements * sizeof(bf16), m.stream));
   TWELL_CUDA_CHECK(cudaMemsetAsync(m.v_cache.data(), 0, cache_elements * sizeof(bf16), m.stream));
   TWELL_CUDA_CHECK(cudaMemsetAsync(m.length_device.data(), 0, sizeof(int32_t), m.stream));

@@ -1,0 +1,46 @@
+// The float64 reference attention (include/twell/reference.h): the oracle of the CUDA prefill
+// attention, written as the definition reads, one query row at a time.
+#include <algorithm>
+#include <cmath>
+
+#include "twell/error.h"
+#include "twell/reference.h"
+
+namespace twell::ref {
+
+std::vector<double> causal_attention(const float* q, const float* keys, const float* values,
+                                     const CachedAttentionShape& s, double scale) {
+  TWELL_REQUIRE(s.batch >= 1 && s.tokens >= 1 && s.head_dim >= 1, "causal_attention: empty shape (B {}, n {}, Dh {})",
+                s.batch, s.tokens, s.head_dim);
+  TWELL_REQUIRE(s.n_kv_heads >= 1 && s.n_heads % s.n_kv_heads == 0,
+                "causal_attention: n_heads ({}) must be a positive multiple of n_kv_heads ({})", s.n_heads,
+                s.n_kv_heads);
+  TWELL_REQUIRE(s.start >= 0 && s.start + s.tokens <= s.stride,
+                "causal_attention: start {} + n {} positions exceed the cache stride {}", s.start, s.tokens, s.stride);
+  const int64_t dh = s.head_dim, group = s.n_heads / s.n_kv_heads;
+  std::vector<double> out(static_cast<size_t>(int64_t{s.batch} * s.tokens * s.n_heads * dh));
+  std::vector<double> weights(static_cast<size_t>(s.start + s.tokens));
+  for (int64_t b = 0; b < s.batch; ++b)
+    for (int64_t h = 0; h < s.n_heads; ++h) {
+      const int64_t cache_base = (b * s.n_kv_heads + h / group) * s.stride * dh;
+      for (int64_t t = 0; t < s.tokens; ++t) {
+        const float* query = q + ((b * s.n_heads + h) * s.tokens + t) * dh;
+        const int64_t visible = s.start + t + 1;
+        double max_score = -INFINITY;
+        for (int64_t j = 0; j < visible; ++j) {
+          double dot = 0;
+          for (int64_t d = 0; d < dh; ++d) dot += double{query[d]} * keys[cache_base + j * dh + d];
+          weights[j] = scale * dot;
+          max_score = std::max(max_score, weights[j]);
+        }
+        double total = 0;
+        for (int64_t j = 0; j < visible; ++j) total += weights[j] = std::exp(weights[j] - max_score);
+        double* row = out.data() + ((b * s.tokens + t) * s.n_heads + h) * dh;
+        for (int64_t j = 0; j < visible; ++j)
+          for (int64_t d = 0; d < dh; ++d) row[d] += weights[j] / total * values[cache_base + j * dh + d];
+      }
+    }
+  return out;
+}
+
+}  // namespace twell::ref
