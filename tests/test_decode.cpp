@@ -31,7 +31,9 @@ constexpr double kHugeSetting = 1e30;  // alpha or margin so large that every ne
 
 std::vector<test::BackendCase> decode_cases() {
   // Odd D and H (partial sign words, D not a multiple of 16), M from 1 to the fused limit, both FFN
-  // kinds, a skewed case, and the benchmark's shape at M = 1.
+  // kinds, a skewed case, and the benchmark's shape at M = 1. For CUDA (D a multiple of 8): D = 40,
+  // 200 and 1000 end inside a sign word and inside a 16-column mma step; M = 3, 7, 9 and 16 cover
+  // one and two token tiles; every odd H leaves the last 16-neuron tile partial.
   std::vector<test::OpCase> shapes;
   auto add = [&](int64_t rows, int32_t d, int32_t h, double density, bool gated, int32_t hot, uint64_t seed) {
     test::OpCase c;
@@ -53,6 +55,8 @@ std::vector<test::BackendCase> decode_cases() {
   add(1, 2048, 5632, 0.005, true, 0, 7);
   add(5, 192, 333, 0.1, false, 0, 8);
   add(9, 128, 1001, 0.03, true, 1, 9);
+  add(3, 200, 131, 0.05, true, 0, 10);
+  add(16, 40, 77, 0.2, true, 0, 11);
   std::vector<test::BackendCase> cases;
   for (const test::BackendCase& pair : test::backend_cases(&test::FfnBackend::decode_ffn, shapes))
     if (pair.op_case.d_model % test::find_backend(pair.backend).decode_d_multiple == 0) cases.push_back(pair);
@@ -67,10 +71,6 @@ class DecodeTest : public test::OpTest {
     if (IsSkipped()) return;
     work_ = make_workload(op_case().workload_spec());
     signs_ = pack_sign_bits(work_.weights.relu_projection().data(), work_.weights.d_hidden, work_.weights.d_model);
-  }
-  // The normalized one-bit and two-bit gates have no CUDA kernel yet.
-  bool backend_runs(PredictorKind kind) const {
-    return GetParam().backend != "cuda" || kind == PredictorKind::sign_rule || kind == PredictorKind::one_bit_gate;
   }
   int64_t rows() const { return work_.spec.rows; }
   size_t output_count() const { return static_cast<size_t>(rows()) * work_.weights.d_model; }
@@ -103,10 +103,6 @@ TEST_P(DecodeTest, NothingSkippedEqualsDenseFfn) {
                                     PredictorConfig{PredictorKind::two_bit_gate, 1.0, kHugeSetting}}) {
     SCOPED_TRACE(to_string(predictor.kind));
     std::vector<float> y;
-    if (!backend_runs(predictor.kind)) {
-      EXPECT_THROW(decode(predictor, y), Error) << "a kind without a kernel must be refused";
-      continue;
-    }
     DecodeStats stats = decode(predictor, y, DecodeOptions{.count_missed = true});
     EXPECT_TRUE(test::near_relative_l2("y", y.data(), expected.data(), expected.size(), kFp32Tolerance));
     EXPECT_EQ(stats.predicted, rows() * work_.weights.d_hidden);
@@ -146,7 +142,7 @@ TEST_P(DecodeTest, GatesMatchReferencePrediction) {
   for (PredictorKind kind :
        {PredictorKind::one_bit_gate, PredictorKind::normalized_one_bit_gate, PredictorKind::two_bit_gate}) {
     SCOPED_TRACE(to_string(kind));
-    if (backend_runs(kind)) expect_reference_prediction_at_a_gap(kind);
+    expect_reference_prediction_at_a_gap(kind);
   }
 }
 
@@ -185,6 +181,38 @@ void DecodeTest::expect_reference_prediction_at_a_gap(PredictorKind kind) {
   double norm = 0;
   for (double v : expected) norm += v * v;
   if (norm > 0) EXPECT_TRUE(test::near_relative_l2("y", y.data(), expected.data(), expected.size(), kFp32Tolerance));
+}
+
+// The gates with exact columns (the standard workload's threshold column 0, alone and with two
+// more): at a conservative margin nothing active is dropped and y is the exact FFN, while on the
+// sparse cases most neurons are skipped; at a lossy margin in a gap of the reference scores the
+// prediction and y are the reference's.
+TEST_P(DecodeTest, GatesWithExactColumnsMatchReference) {
+  const int32_t cols = work_.weights.d_model, hidden = work_.weights.d_hidden;
+  const std::vector<double> exact_ffn = ref::ffn_dense(work_.x.data(), rows(), work_.weights);
+  const std::vector<double> projection = ref::relu_projection(work_.x.data(), rows(), work_.weights);
+  for (const std::vector<int32_t>& exact_columns : {std::vector<int32_t>{0}, std::vector<int32_t>{0, 5, cols - 1}}) {
+    SCOPED_TRACE(fmt::format("exact columns [{}]", fmt::join(exact_columns, ", ")));
+    signs_ = pack_sign_bits(work_.weights.relu_projection().data(), hidden, cols, exact_columns);
+    for (PredictorKind kind :
+         {PredictorKind::one_bit_gate, PredictorKind::normalized_one_bit_gate, PredictorKind::two_bit_gate}) {
+      SCOPED_TRACE(to_string(kind));
+      const std::vector<double> scores = reference_scores(kind, work_.x.data(), rows(), signs_);
+      double lowest_active = std::numeric_limits<double>::infinity();
+      for (size_t i = 0; i < scores.size(); ++i)
+        if (projection[i] > 0) lowest_active = std::min(lowest_active, scores[i]);
+      ASSERT_TRUE(std::isfinite(lowest_active)) << "the case must have active neurons";
+      // Conservative: every active pair's score clears it with room for fp32 rounding.
+      const double conservative = -lowest_active + 0.1 * std::abs(lowest_active) + 1e-3;
+      std::vector<float> y;
+      DecodeStats stats = decode(PredictorConfig{kind, 1.0, conservative}, y, {.count_missed = true});
+      EXPECT_EQ(stats.missed, 0);
+      if (work_.spec.density <= 0.02)
+        EXPECT_LT(stats.predicted, rows() * hidden / 2) << "the exact threshold column must let the gate skip neurons";
+      EXPECT_TRUE(test::near_relative_l2("y", y.data(), exact_ffn.data(), exact_ffn.size(), kFp32Tolerance));
+      expect_reference_prediction_at_a_gap(kind);
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, DecodeTest, testing::ValuesIn(decode_cases()), test::backend_case_name);
@@ -341,58 +369,6 @@ TEST_P(PredictorScoresTest, BlockScoresEqualOneTokenScores) {
         for (int m = 0; m < rows; ++m)
           scores_of(x.data() + static_cast<size_t>(m) * cols, 1, signs, alone.data() + static_cast<size_t>(m) * hidden);
         expect_same_bits(block, alone, name);
-      }
-    }
-}
-
-// The CPU decode FFN with exact columns on the standard workload (the threshold column 0 exact):
-// at a conservative margin it drops no active neuron and equals the exact FFN while predicting far
-// from all of them; at a lossy margin in a gap of the reference scores it equals the reference
-// decode FFN with the reference's prediction.
-TEST_P(PredictorScoresTest, DecodeFfnWithExactColumnsMatchesReference) {
-  for (auto [rows, cols, hidden, density] : {std::tuple{1, 100, 257, 0.05}, std::tuple{7, 333, 500, 0.02},
-                                             std::tuple{16, 1000, 301, 0.01}})
-    for (const std::vector<int32_t>& exact_columns : {std::vector<int32_t>{0}, std::vector<int32_t>{0, 5, cols - 1}}) {
-      SCOPED_TRACE(
-          fmt::format("M {} D {} H {} exact columns [{}]", rows, cols, hidden, fmt::join(exact_columns, ", ")));
-      const Workload work = make_workload(
-          {.rows = rows, .d_model = cols, .d_hidden = hidden, .density = density, .seed = 31u + cols});
-      const SignBits signs = pack_sign_bits(work.weights.gate.data(), hidden, cols, exact_columns);
-      const std::vector<double> exact_ffn = ref::ffn_dense(work.x.data(), rows, work.weights);
-      std::vector<float> y(static_cast<size_t>(rows) * cols);
-      cpu::DecodeScratch scratch;
-      for (PredictorKind kind :
-           {PredictorKind::one_bit_gate, PredictorKind::normalized_one_bit_gate, PredictorKind::two_bit_gate}) {
-        SCOPED_TRACE(to_string(kind));
-        const std::vector<double> scores = reference_scores(kind, work.x.data(), rows, signs);
-        const std::vector<double> projection = ref::relu_projection(work.x.data(), rows, work.weights);
-        double lowest_active = std::numeric_limits<double>::infinity();
-        for (size_t i = 0; i < scores.size(); ++i)
-          if (projection[i] > 0) lowest_active = std::min(lowest_active, scores[i]);
-        ASSERT_TRUE(std::isfinite(lowest_active)) << "the case must have active neurons";
-        // Conservative: every active pair's score clears it with room for fp32 rounding.
-        const double conservative = -lowest_active + 0.1 * std::abs(lowest_active) + 1e-3;
-        test::poison(y, y.size());
-        DecodeStats stats = cpu::decode_ffn(work.x.data(), rows, work.weights, signs,
-                                            PredictorConfig{kind, 1.0, conservative}, y.data(), scratch,
-                                            {.count_missed = true});
-        EXPECT_EQ(stats.missed, 0);
-        EXPECT_LT(stats.predicted, rows * hidden / 2) << "the exact threshold column must let the gate skip neurons";
-        EXPECT_TRUE(test::near_relative_l2("y", y.data(), exact_ffn.data(), exact_ffn.size(), kFp32Tolerance));
-
-        const double lossy = margin_at_a_gap(scores);
-        ASSERT_FALSE(std::isnan(lossy)) << "no gap wide enough for an unambiguous margin";
-        std::vector<uint8_t> mask(scores.size());
-        for (size_t i = 0; i < scores.size(); ++i) mask[i] = scores[i] >= -lossy;
-        const std::vector<double> expected = ref::decode_ffn(work.x.data(), rows, work.weights, mask);
-        test::poison(y, y.size());
-        stats = cpu::decode_ffn(work.x.data(), rows, work.weights, signs, PredictorConfig{kind, 1.0, lossy}, y.data(),
-                                scratch);
-        EXPECT_EQ(stats.predicted, std::count(mask.begin(), mask.end(), 1));
-        double norm = 0;
-        for (double v : expected) norm += v * v;
-        if (norm > 0)
-          EXPECT_TRUE(test::near_relative_l2("y", y.data(), expected.data(), expected.size(), kFp32Tolerance));
       }
     }
 }

@@ -97,9 +97,13 @@ TEST_F(CudaModelTest, SparsePathsMatchTransformers) {
     EXPECT_EQ(greedy_tokens(gpu, golden.prompt, static_cast<int32_t>(golden.greedy.size())), golden.greedy);
   }
   host.set_ffn_path(FfnPath::predict);
-  host.calibrate_predictor(golden.prompt, PredictorKind::one_bit_gate, 1.0);
-  gpu.set_predictor(host);
-  EXPECT_EQ(greedy_tokens(gpu, golden.prompt, 1), std::vector<int32_t>(1, golden.greedy[0]));
+  for (PredictorKind kind : {PredictorKind::one_bit_gate, PredictorKind::normalized_one_bit_gate,
+                             PredictorKind::two_bit_gate}) {
+    SCOPED_TRACE(to_string(kind));
+    host.calibrate_predictor(golden.prompt, kind, 1.0);
+    gpu.set_predictor(host);
+    EXPECT_EQ(greedy_tokens(gpu, golden.prompt, 1), std::vector<int32_t>(1, golden.greedy[0]));
+  }
 }
 
 // B sequences in one call give each sequence's single-sequence results (rows > 16, so the predict

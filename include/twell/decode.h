@@ -20,13 +20,13 @@
 //                 row j is from ±scale_j, so one margin in units of that error fits every neuron and
 //                 token, where the plain margin must cover the worst neuron. Same bits read, one
 //                 division more. On a real L1-trained model it keeps ~4x fewer neurons than the
-//                 one-bit gate at 99% recall (docs/perf-notes.md "Decode FFN"). CPU only so far.
+//                 one-bit gate at 99% recall (docs/perf-notes.md "Decode FFN").
 //   two-bit gate  the same normalized score with two bits per weight: W[j, k] ≈ sign·(large ?
 //                 large_scale_j : small_scale_j), large = |W[j, k]| above the row's 60% quantile of |W| (the
 //                 sign-bits format's second plane), divided by ||x||·two_bit_residual_j; predicted
 //                 active iff >= −margin. Twice the predictor's bits (on the CPU one pass over both
 //                 planes, three masked sums of x per neuron: sign, large, and large AND sign), ~4x
-//                 fewer kept neurons than one-bit-norm on a real model. CPU only so far.
+//                 fewer kept neurons than one-bit-norm on a real model.
 // Exact columns (the sign-bits format's exact_columns): the three gates add Σ_c x[m, col_c]·W[j, col_c]
 // over a handful of columns of W kept exactly, approximate only the other columns (scale_j, the
 // residuals and the large plane cover those), and take ||x[m]|| over those other columns. Where one
@@ -48,6 +48,7 @@
 #include <vector>
 
 #include "twell/host_tensors.h"
+#include "twell/portability.h"
 
 namespace twell {
 
@@ -65,7 +66,8 @@ struct PredictorConfig {
 
 // z = score / (residual · norm), the normalized one-bit and two-bit gates; a zero denominator (a row that is
 // exactly ±scale, or x = 0) makes the estimate exact, so z is ±inf by the sign of the score (0 for 0).
-inline float normalized_score(float score, float residual, float norm) {
+// Host and device: the CUDA kernels apply the same rule.
+TWELL_HD float normalized_score(float score, float residual, float norm) {
   const float unit = residual * norm;
   if (unit > 0.0f) return score / unit;
   return score > 0.0f ? std::numeric_limits<float>::infinity()

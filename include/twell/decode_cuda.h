@@ -1,13 +1,14 @@
 // The CUDA decode FFN (sm_90a): the decode path of include/twell/decode.h on the GPU, for bf16
 // weights and activations with fp32 accumulation and an fp32 output.
 //
-// One launch after a memset of y: each warp owns 8 neurons; it scores them for all M tokens (the
-// one-bit gate on the tensor cores as a bf16 product with ±1 built from the sign bits, or the sign
-// rule as XOR + popcount), computes the exact gate of the predicted (token, neuron) pairs from one
-// read of the gate row, and for the truly active ones reads the up and down rows together and adds
-// relu(g)·u·down[j] into y with vector atomics. Nothing allocates and nothing waits on the host, so
-// run() can be captured in a CUDA graph. The sum order of y depends on timing: results agree with
-// the reference to fp32 rounding, not bit for bit between runs.
+// One launch per call, one block per 16 neurons: it scores them for all M tokens on the tensor cores
+// (a bf16 product of x with ±1, and for the two-bit gate ±1-or-0, built from the sign bits; the sign
+// rule as the same product with sign(x)), computes the exact gate of the predicted (token, neuron)
+// pairs from one read of the gate row, and for the truly active ones reads the up and down rows
+// together and adds relu(g)·u·down[j] into an accumulator with vector atomics; the last block to
+// finish moves the accumulator into y. Nothing allocates and nothing waits on the host, so run() can
+// be captured in a CUDA graph. The sum order of y depends on timing: results agree with the
+// reference to fp32 rounding, not bit for bit between runs.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -19,19 +20,18 @@ namespace twell::cuda {
 
 class DecodeLayer {
  public:
-  // Keeps a pointer to `weights` (which must outlive the layer) and uploads the sign bits and scales
-  // of its relu projection (signs = pack_sign_bits(relu projection) on the host). Synchronous.
+  // Keeps a pointer to `weights` (which must outlive the layer) and uploads the sign planes, scales
+  // and exact columns of its relu projection (signs = pack_sign_bits(relu projection) on the host),
+  // the planes regrouped for the kernel's mma fragments. Synchronous.
   // D must be a multiple of 8 (16-byte weight rows), H <= 2^31 - 1.
   DecodeLayer(const DeviceFfnWeights& weights, const SignBits& signs);
   ~DecodeLayer();
   DecodeLayer(const DecodeLayer&) = delete;
-  // The predictors run() has kernels for (the sign rule and the one-bit gate); the normalized
-  // gates are CPU only.
-  static bool supports(PredictorKind kind);
   DecodeLayer& operator=(const DecodeLayer&) = delete;
 
-  // y [M, D] fp32 (device) from x [M, D] bf16 (device), 1 <= M <= kDecodeMaxRows. Asynchronous.
-  // The sign rule and the one-bit gate; the normalized one-bit and two-bit gates are refused (CPU only so far).
+  // y [M, D] fp32 (device) from x [M, D] bf16 (device), 1 <= M <= kDecodeMaxRows, every predictor
+  // kind; x and y 16-byte aligned. Asynchronous. The runs of one layer share its accumulator: order
+  // them on one stream (or chain their streams).
   void run(const bf16* x, int64_t rows, const PredictorConfig& predictor, float* y, cudaStream_t stream,
            const DecodeOptions& options = {}) const;
   // Counters summed over every run since the last stats() call (then reset). Synchronizes `stream`.

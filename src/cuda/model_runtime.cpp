@@ -319,12 +319,6 @@ void CudaModel::set_predictor(const Model& host) {
                 "D = {}, H = {}",
                 per_layer.size(), host.config().d_model, host.config().d_hidden, m.config.n_layers, m.config.d_model,
                 m.config.d_hidden);
-  // Refused here rather than at the first decode step, after the prompt has run.
-  for (size_t layer = 0; layer < per_layer.size(); ++layer)
-    TWELL_REQUIRE(DecodeLayer::supports(per_layer[layer].config.kind),
-                  "layer {}: the CUDA decode FFN has no kernel for the {} predictor (CPU only); run `twell calibrate "
-                  "--predictor one-bit` (or sign) for --device cuda, or decode on the CPU",
-                  layer, to_string(per_layer[layer].config.kind));
   // The graphs hold the old settings as kernel arguments, and a layer packed again frees the device
   // arrays queued work may still read.
   m.drop_graphs();

@@ -149,7 +149,7 @@ void add_calibrate(CLI::App& app) {
       ->capture_default_str();
   command->add_option("--predictor", options->predictor, "sign, one-bit, one-bit-norm, two-bit-norm, both "
                       "(synthetic: one-bit and sign) or all (synthetic); default: both synthetic, two-bit-norm for a "
-                      "model (CPU only so far: one-bit for a model that decodes on CUDA)");
+                      "model");
   command->add_option("--exact-columns", options->exact_columns,
                       "at most this many exact columns per layer, chosen on the sample tokens (0 = none)")
       ->capture_default_str()

@@ -158,7 +158,7 @@ void add_generate(CLI::App& app) {
   command->add_option("--seed", options->seed, "sampling seed")->capture_default_str();
   command->add_flag("--ignore-eos", options->ignore_eos, "do not stop at the model's end-of-sequence tokens");
   command->add_option("--threads", options->threads, "CPU threads (0 = all cores)")->capture_default_str();
-  command->add_option("--predictor", options->predictor, "predict path without a stored twell_predictor.json: sign, one-bit, one-bit-norm or two-bit-norm (the last two CPU only)")->capture_default_str();
+  command->add_option("--predictor", options->predictor, "predict path without a stored twell_predictor.json: sign, one-bit, one-bit-norm or two-bit-norm")->capture_default_str();
   command->add_option("--recall", options->recall, "predict path without a stored twell_predictor.json: recall the predictor is calibrated for on the prompt")
       ->capture_default_str();
   command->callback([options] { run_generate(*options); });
