@@ -339,10 +339,8 @@ void run_decode_bench(const DecodeBenchOptions& options) {
              "[{}])\n",
              options.device, options.d_model, options.d_hidden, options.density, options.calibration_rows,
              options.recall, fmt::join(signs.exact_columns, ", "));
-  // The normalized gates have no CUDA kernel yet.
-  std::vector<PredictorKind> kinds = {PredictorKind::one_bit_gate, PredictorKind::sign_rule};
-  if (!on_cuda) kinds.insert(kinds.end(), {PredictorKind::normalized_one_bit_gate, PredictorKind::two_bit_gate});
-  for (PredictorKind kind : kinds) {
+  for (PredictorKind kind : {PredictorKind::one_bit_gate, PredictorKind::sign_rule,
+                             PredictorKind::normalized_one_bit_gate, PredictorKind::two_bit_gate}) {
     Calibration c = calibrate_predictor(samples.data(), options.calibration_rows, weights, signs, kind, options.recall);
     fmt::print("  calibrated {:<8} alpha={:.6g} margin={:.6g}: recall {:.4f}, predicted {:.2f}% of neurons = {:.1f}x the active set\n",
                to_string(kind), c.config.alpha, c.config.margin, c.quality.recall(), 100 * c.quality.predicted_fraction(),
@@ -495,7 +493,7 @@ void run_decode_bench(const DecodeBenchOptions& options) {
 
 void add_bench_decode(CLI::App& bench) {
   auto options = std::make_shared<DecodeBenchOptions>();
-  CLI::App* command = bench.add_subcommand("decode", "decode FFN (M <= 16): dense, TwELL and the sign-bit predictors (the normalized gates on the CPU only)");
+  CLI::App* command = bench.add_subcommand("decode", "decode FFN (M <= 16): dense, TwELL and the sign-bit predictors");
   command->add_option("--device", options->device, "cpu or cuda")->capture_default_str();
   command->add_option("--m", options->rows, "tokens per step, comma-separated (1..16)")->delimiter(',')->capture_default_str();
   command->add_option("--d", options->d_model, "model width D")->capture_default_str();
