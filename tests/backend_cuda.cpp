@@ -68,19 +68,6 @@ cuda::DeviceArray<bf16> poisoned_y(int64_t rows, int32_t d_model) {
   return y;
 }
 
-// The decode kernel takes D a multiple of 8, finer than upload_weights' 64: the arrays go up one by one.
-cuda::DeviceFfnWeights decode_weights(const FfnWeights& weights) {
-  validate(weights);
-  cuda::DeviceFfnWeights device;
-  device.d_model = weights.d_model;
-  device.d_hidden = weights.d_hidden;
-  device.gated = weights.gated;
-  if (weights.gated) device.gate = cuda::upload_bf16(weights.gate.data(), weights.gate.size());
-  device.up = cuda::upload_bf16(weights.up.data(), weights.up.size());
-  device.down = cuda::upload_bf16(weights.down.data(), weights.down.size());
-  return device;
-}
-
 std::string cuda_skip_reason() { return cuda::available() ? "" : "no CUDA device is available"; }
 
 const bool registered = test::register_backend({
@@ -122,7 +109,7 @@ const bool registered = test::register_backend({
         [](const float* x, int64_t rows, const FfnWeights& weights, const SignBits& signs,
            const PredictorConfig& predictor, float* y, const DecodeOptions& options) {
           const size_t count = static_cast<size_t>(rows) * weights.d_model;
-          const cuda::DeviceFfnWeights device_weights = decode_weights(weights);
+          const cuda::DeviceFfnWeights device_weights = test::upload_weights_any_width(weights);
           cuda::DecodeLayer layer(device_weights, signs);
           const cuda::DeviceArray<bf16> device_x = cuda::upload_bf16(x, count);
           const cuda::DeviceArray<float> device_y = cuda::make_device_array<float>(count);

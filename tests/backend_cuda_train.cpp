@@ -22,18 +22,6 @@ namespace {
 
 using namespace twell;
 
-// Any D that is a multiple of 8 (cuda::upload_weights asks for 64, which the gate kernel needs).
-cuda::DeviceFfnWeights upload_training_weights(const FfnWeights& w) {
-  cuda::DeviceFfnWeights device;
-  device.d_model = w.d_model;
-  device.d_hidden = w.d_hidden;
-  device.gated = w.gated;
-  if (w.gated) device.gate = cuda::upload_bf16(w.gate.data(), w.gate.size());
-  device.up = cuda::upload_bf16(w.up.data(), w.up.size());
-  device.down = cuda::upload_bf16(w.down.data(), w.down.size());
-  return device;
-}
-
 std::vector<float> download_floats(const float* device, size_t count) {
   std::vector<float> host(count);
   cuda::copy_to_host(host.data(), device, count * sizeof(float));
@@ -94,7 +82,7 @@ void run_from_hybrid(const float* x, const HybridMatrix& gate, const FfnWeights&
                      float* y, double* l1, double* l0, const float* dy, const test::GradOutputs* grads) {
   const int64_t rows = gate.shape.rows;
   const int32_t d = weights.d_model;
-  const cuda::DeviceFfnWeights device_weights = upload_training_weights(weights);
+  const cuda::DeviceFfnWeights device_weights = test::upload_weights_any_width(weights);
   const cuda::DeviceArray<bf16> x_device = cuda::upload_bf16(x, rows * d);
   cuda::DeviceHybrid device_gate;
   device_gate.upload(gate, nullptr);
@@ -203,7 +191,7 @@ class CudaTrainTest : public test::CudaTest<testing::TestWithParam<TrainCase>> {
                          const cuda::DeviceTwell* gate) {
     const int64_t m = w.spec.rows;
     const int32_t d = w.spec.d_model, h = w.spec.d_hidden;
-    const cuda::DeviceFfnWeights weights = upload_training_weights(w.weights);
+    const cuda::DeviceFfnWeights weights = test::upload_weights_any_width(w.weights);
     const cuda::DeviceArray<bf16> x = cuda::upload_bf16(w.x.data(), w.x.size());
     const cuda::DeviceArray<bf16> dy_device = cuda::upload_bf16(dy.data(), dy.size());
     cuda::DeviceArray<bf16> y = poisoned_bf16(m * d);
@@ -327,7 +315,7 @@ TEST(CudaTrainOp, GateKernelAndAutomaticDispatch) {
 TEST(CudaTrainOp, RefusesBadInput) {
   if (!cuda::available()) GTEST_SKIP() << "no CUDA device";
   const Workload w = make_workload({.rows = 4, .d_model = 64, .d_hidden = 128, .density = 0.1, .gated = false});
-  const cuda::DeviceFfnWeights weights = upload_training_weights(w.weights);
+  const cuda::DeviceFfnWeights weights = test::upload_weights_any_width(w.weights);
   const cuda::DeviceArray<bf16> x = cuda::upload_bf16(w.x.data(), w.x.size());
   cuda::DeviceArray<bf16> y = poisoned_bf16(w.x.size());
   cuda::FfnTrainOp op;

@@ -23,6 +23,20 @@ class CudaTest : public Base {
   }
 };
 
+// Weights for the kernels that take any D a multiple of 8 (the decode and training kernels):
+// cuda::upload_weights asks for the 64 the gate kernel needs, so the arrays go up one by one.
+inline cuda::DeviceFfnWeights upload_weights_any_width(const FfnWeights& weights) {
+  validate(weights);
+  cuda::DeviceFfnWeights device;
+  device.d_model = weights.d_model;
+  device.d_hidden = weights.d_hidden;
+  device.gated = weights.gated;
+  if (weights.gated) device.gate = cuda::upload_bf16(weights.gate.data(), weights.gate.size());
+  device.up = cuda::upload_bf16(weights.up.data(), weights.up.size());
+  device.down = cuda::upload_bf16(weights.down.data(), weights.down.size());
+  return device;
+}
+
 // A workload on the device (D a multiple of 64) and its float64 y.
 struct WorkloadOnDevice {
   Workload work;

@@ -109,14 +109,6 @@ __device__ __forceinline__ void copy_async_16(void* shared, const void* global) 
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(address), "l"(global) : "memory");
 }
 
-__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // bf16 pair ±1 from the bits at positions 15 and 31 of `shifted` (set: −1).
 __device__ __forceinline__ uint32_t sign_pair(uint32_t shifted) { return (shifted & 0x80008000u) | 0x3f803f80u; }
 
@@ -139,6 +131,13 @@ __device__ __forceinline__ uint32_t x_sign_pair(uint32_t x) {
 // the x loads beside them, over the 80 that let three blocks share an SM; the rows are prefetched
 // to L2, so the second batch waits on L2, not DRAM).
 constexpr int kBatch = 4;
+// A lane's kBatch 16-byte pieces of a row (pieces first, first + 32, ...), all issued before any is
+// used; zeros past the row's `chunks` pieces.
+__device__ __forceinline__ void load_batch(const bf16* row, int first, int chunks, uint4 (&pieces)[kBatch]) {
+#pragma unroll
+  for (int b = 0; b < kBatch; ++b)
+    pieces[b] = first + 32 * b < chunks ? load_chunk(row, first + 32 * b) : make_uint4(0u, 0u, 0u, 0u);
+}
 template <int kTokens>
 __device__ __forceinline__ void dots(const DecodeParams& p, const bf16* row, uint32_t tokens, int lane, float* out) {
   float sums[kTokens];
@@ -147,9 +146,7 @@ __device__ __forceinline__ void dots(const DecodeParams& p, const bf16* row, uin
   const int chunks = p.cols / kChunk;
   for (int first = lane; first < chunks; first += 32 * kBatch) {
     uint4 w[kBatch];
-#pragma unroll
-    for (int b = 0; b < kBatch; ++b)
-      w[b] = first + 32 * b < chunks ? load_chunk(row, first + 32 * b) : make_uint4(0u, 0u, 0u, 0u);
+    load_batch(row, first, chunks, w);
 #pragma unroll
     for (int m = 0; m < kTokens; ++m) {
       if (!(tokens & (1u << m))) continue;
@@ -428,9 +425,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) decode_ffn_kernel(D
       const int chunks = p.cols / kChunk;
       for (int first = lane; first < chunks; first += 32 * kBatch) {
         uint4 d[kBatch];
-#pragma unroll
-        for (int b = 0; b < kBatch; ++b)
-          d[b] = first + 32 * b < chunks ? load_chunk(down_row, first + 32 * b) : make_uint4(0u, 0u, 0u, 0u);
+        load_batch(down_row, first, chunks, d);
 #pragma unroll
         for (int m = 0; m < kTokens; ++m) {
           if (!(active_rows & (1u << m))) continue;

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "cuda/warp_math.cuh"
 #include "twell/error.h"
 
 namespace twell::cuda {
@@ -77,14 +78,6 @@ __device__ __forceinline__ void load_matrices_transposed(uint32_t (&r)[4], const
                : "r"(shared_address(shared)));
 }
 
-// d [16, 8] += a [16, 16] · b [16, 8], bf16 in, fp32 accumulate.
-__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 
 // Two floats rounded to a bf16 pair, `low` in the low half (cvt packs its first operand high).
 __device__ __forceinline__ uint32_t pack_bf16(float low, float high) {
@@ -165,8 +158,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           uint32_t k_fragments[4];  // b0, b1 of key tile 2·pair, then of 2·pair + 1
           load_matrices(k_fragments,
                         k_tile + tile_offset<kDh>(pair * 16 + lane / 16 * 8 + lane % 8, 2 * step + lane / 8 % 2));
-          mma(scores[2 * pair], q_fragments[step], k_fragments[0], k_fragments[1]);
-          mma(scores[2 * pair + 1], q_fragments[step], k_fragments[2], k_fragments[3]);
+          mma_bf16(scores[2 * pair], q_fragments[step], k_fragments[0], k_fragments[1]);
+          mma_bf16(scores[2 * pair + 1], q_fragments[step], k_fragments[2], k_fragments[3]);
         }
       if (first_key + kKeyRows - 1 > start + warp_token) {  // some key here is past some row's last
 #pragma unroll
@@ -217,8 +210,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           uint32_t v_fragments[4];  // b0, b1 of dim tile 2·pair, then of 2·pair + 1
           load_matrices_transposed(
               v_fragments, v_tile + tile_offset<kDh>(step * 16 + lane / 8 % 2 * 8 + lane % 8, 2 * pair + lane / 16));
-          mma(o[2 * pair], p_fragment, v_fragments[0], v_fragments[1]);
-          mma(o[2 * pair + 1], p_fragment, v_fragments[2], v_fragments[3]);
+          mma_bf16(o[2 * pair], p_fragment, v_fragments[0], v_fragments[1]);
+          mma_bf16(o[2 * pair + 1], p_fragment, v_fragments[2], v_fragments[3]);
         }
       }
     }

@@ -1,5 +1,5 @@
-// Device helpers shared by the CUDA FFN kernels: bf16 pairs unpacked from 32-bit words, an
-// 8-element bf16 dot product on one 16-byte load each, and a full-warp sum.
+// Device helpers shared by the CUDA kernels: bf16 pairs unpacked from 32-bit words, an 8-element
+// bf16 dot product on one 16-byte load each, a full-warp sum, and the bf16 tensor-core product.
 #pragma once
 
 #include <cstdint>
@@ -26,6 +26,16 @@ __device__ __forceinline__ float warp_sum(float value) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) value += __shfl_xor_sync(0xffffffffu, value, offset);
   return value;
+}
+
+// d [16, 8] += a [16, 16] · b [16, 8]: mma.sync m16n8k16, bf16 in (a row-major, b column-major
+// fragments in registers), fp32 accumulate.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 }  // namespace twell::cuda
