@@ -36,5 +36,9 @@ SignBits pack_sign_bits(const float* matrix, int32_t rows, int32_t cols,
 // Throws naming the problem unless `columns` is a valid exact-column list for K = cols: ascending,
 // distinct, each in [0, K), at most kMaxExactColumns, and fewer than K (some column is approximated).
 void validate_exact_columns(const std::vector<int32_t>& columns, int32_t cols);
+// Throws naming the problem unless `signs` is packed from a [rows, cols] matrix: every array of
+// formats/sign_bits.h at its size, and a valid exact-column list. Sizes only: cheap enough for
+// every decode call.
+void validate_sign_bits(const SignBits& signs, int32_t rows, int32_t cols);
 
 }  // namespace twell

@@ -138,6 +138,10 @@ struct LayerPredictor {
 inline constexpr double kExactColumnFactor = 16.0;
 std::vector<int32_t> choose_exact_columns(const float* x, int64_t rows, const float* w, int32_t hidden, int32_t cols,
                                           int max_columns = kMaxExactColumns);
+// The sign bits of weights.relu_projection() packed with the exact columns chosen on the samples
+// x [rows, D] (choose_exact_columns, at most max_columns).
+SignBits pack_sign_bits_for_samples(const float* x, int64_t rows, const FfnWeights& weights,
+                                    int max_columns = kMaxExactColumns);
 
 }  // namespace twell
 

@@ -7,6 +7,7 @@
 #include <numeric>
 
 #include "kernels.h"
+#include "twell/convert.h"
 #include "twell/decode.h"
 #include "twell/error.h"
 
@@ -180,6 +181,12 @@ std::vector<int32_t> choose_exact_columns(const float* x, int64_t rows, const fl
   }
   std::sort(chosen.begin(), chosen.end());
   return chosen;
+}
+
+SignBits pack_sign_bits_for_samples(const float* x, int64_t rows, const FfnWeights& weights, int max_columns) {
+  const float* projection = weights.relu_projection().data();
+  return pack_sign_bits(projection, weights.d_hidden, weights.d_model,
+                        choose_exact_columns(x, rows, projection, weights.d_hidden, weights.d_model, max_columns));
 }
 
 }  // namespace twell

@@ -35,27 +35,6 @@ const DecodeKernelTable& active_decode_kernels() {
 
 namespace {
 
-void require_signs_match(const SignBits& signs, int32_t hidden, int32_t cols) {
-  TWELL_REQUIRE(signs.rows == hidden && signs.cols == cols,
-                "signs must be packed from the relu projection [H={}, D={}], got [{}, {}]", hidden, cols, signs.rows,
-                signs.cols);
-  TWELL_REQUIRE(signs.bits.size() == static_cast<size_t>(hidden) * signs.words_per_row(),
-                "signs.bits must hold H·ceil(D/32) = {} words, got {}", static_cast<size_t>(hidden) * signs.words_per_row(),
-                signs.bits.size());
-  TWELL_REQUIRE(signs.scale.size() == static_cast<size_t>(hidden), "signs.scale must hold H = {} values, got {}",
-                hidden, signs.scale.size());
-  TWELL_REQUIRE(signs.residual.size() == static_cast<size_t>(hidden), "signs.residual must hold H = {} values, got {}",
-                hidden, signs.residual.size());
-  TWELL_REQUIRE(signs.large.size() == signs.bits.size() && signs.small_scale.size() == static_cast<size_t>(hidden) &&
-                    signs.large_scale.size() == static_cast<size_t>(hidden) &&
-                    signs.two_bit_residual.size() == static_cast<size_t>(hidden),
-                "signs must carry the two-bit plane and scales of pack_sign_bits (H = {})", hidden);
-  validate_exact_columns(signs.exact_columns, cols);
-  TWELL_REQUIRE(signs.exact_weights.size() == static_cast<size_t>(hidden) * signs.exact_columns.size(),
-                "signs.exact_weights must hold H·c = {} values, got {}",
-                static_cast<size_t>(hidden) * signs.exact_columns.size(), signs.exact_weights.size());
-}
-
 // x [M, D] -> x_padded [M, 32·words] (zeros past D and at the exact columns, so the masked sums
 // cover the approximated columns only), its row sums and norms (over the same columns), x at the
 // exact columns [M, c], and, when asked, its sign bits [M, words] in the sign-bits format (bit set
@@ -179,7 +158,7 @@ template <typename Value>
 void score_rows(const float* x, int64_t rows, const SignBits& signs, bool pack_signs,
                 void (BlockPredictor::*score)(int32_t, Value*) const, Value* out) {
   TWELL_REQUIRE(rows >= 1, "rows (M) must be >= 1, got {}", rows);
-  require_signs_match(signs, signs.rows, signs.cols);
+  validate_sign_bits(signs, signs.rows, signs.cols);
   DecodeScratch scratch;
   prepare_rows(x, rows, signs, pack_signs, scratch);
   for (int64_t first = 0; first < rows; first += kDecodeMaxRows) {
@@ -217,7 +196,7 @@ DecodeStats decode_ffn(const float* x, int64_t rows, const FfnWeights& weights, 
   validate(weights);
   const int32_t cols = weights.d_model, hidden = weights.d_hidden;
   TWELL_REQUIRE(rows >= 1 && rows <= kDecodeMaxRows, "rows (M) must lie in [1, {}], got {}", kDecodeMaxRows, rows);
-  require_signs_match(signs, hidden, cols);
+  validate_sign_bits(signs, hidden, cols);
   const bool sign_rule = predictor.kind == PredictorKind::sign_rule;
   const int32_t max_negatives = sign_rule ? sign_rule_max_negatives(predictor.alpha, cols) : 0;
   const float min_score = static_cast<float>(-predictor.margin);

@@ -35,6 +35,13 @@ constexpr int kThreads = kParts * 32;
 constexpr int kMinBlocksPerSm = 3;
 constexpr int kChunk = 8;         // bf16 per 16-byte load
 
+// What a kind reads: the two-bit gate both planes, the others the sign plane; the normalized gates
+// also divide by ||x||.
+__host__ __device__ constexpr int planes_of(PredictorKind kind) { return kind == PredictorKind::two_bit_gate ? 2 : 1; }
+__host__ __device__ constexpr bool is_normalized(PredictorKind kind) {
+  return kind == PredictorKind::normalized_one_bit_gate || kind == PredictorKind::two_bit_gate;
+}
+
 struct Counters {
   unsigned long long predicted;
   unsigned long long active;
@@ -178,10 +185,9 @@ __device__ __forceinline__ void prefetch_row(const bf16* row, int cols, int lane
 template <PredictorKind kKind, int kTokenTiles>
 __device__ __forceinline__ void score_part(const DecodeParams& p, const uint2* plane_words, int part, int lane,
                                            float* partial, float* squares) {
-  constexpr int kPlanes = kKind == PredictorKind::two_bit_gate ? 2 : 1;
+  constexpr int kPlanes = planes_of(kKind);
   constexpr bool kSignRule = kKind == PredictorKind::sign_rule;
-  constexpr bool kNormalized =
-      kKind == PredictorKind::normalized_one_bit_gate || kKind == PredictorKind::two_bit_gate;
+  constexpr bool kNormalized = is_normalized(kKind);
   constexpr int kTokens = kTokenTiles * kTokenTile;
   const int group = lane >> 2, quad = lane & 3;  // mma fragment coordinates
   const int words_per_part = (p.words + kParts - 1) / kParts;
@@ -287,9 +293,8 @@ __device__ __forceinline__ void score_part(const DecodeParams& p, const uint2* p
 
 template <PredictorKind kKind, int kTokenTiles>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) decode_ffn_kernel(DecodeParams p) {
-  constexpr int kPlanes = kKind == PredictorKind::two_bit_gate ? 2 : 1;
-  constexpr bool kNormalized =
-      kKind == PredictorKind::normalized_one_bit_gate || kKind == PredictorKind::two_bit_gate;
+  constexpr int kPlanes = planes_of(kKind);
+  constexpr bool kNormalized = is_normalized(kKind);
   constexpr bool kGate = kKind != PredictorKind::sign_rule;
   constexpr int kTokens = kTokenTiles * kTokenTile;
   extern __shared__ __align__(16) uint2 plane_words[];  // [kPlanes, words, 8]: this tile's planes (cp.async: 16-byte aligned)
@@ -481,8 +486,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) decode_ffn_kernel(D
   if (threadIdx.x == 0) *p.finished_blocks = 0u;
 }
 
-int planes_of(PredictorKind kind) { return kind == PredictorKind::two_bit_gate ? 2 : 1; }
-
 template <PredictorKind kKind>
 void launch(const DecodeParams& p, int tiles, size_t shared, cudaStream_t stream) {
   if (p.rows > kTokenTile)
@@ -522,23 +525,8 @@ DecodeLayer::DecodeLayer(const DeviceFfnWeights& weights, const SignBits& signs)
   TWELL_REQUIRE(cols >= 8 && cols % 8 == 0, "decode on CUDA needs D a multiple of 8 (16-byte weight rows), got {}",
                 cols);
   TWELL_REQUIRE(hidden >= 1, "decode on CUDA needs H >= 1, got {}", hidden);
-  TWELL_REQUIRE(signs.rows == hidden && signs.cols == cols,
-                "signs must be packed from the relu projection [H={}, D={}], got [{}, {}]", hidden, cols, signs.rows,
-                signs.cols);
-  const size_t plane_words = static_cast<size_t>(hidden) * signs.words_per_row();
-  const size_t h = static_cast<size_t>(hidden);
-  TWELL_REQUIRE(signs.bits.size() == plane_words && signs.large.size() == plane_words,
-                "signs must hold two planes of H·words = {} words (bits, large), got {} and {}", plane_words,
-                signs.bits.size(), signs.large.size());
-  TWELL_REQUIRE(signs.scale.size() == h && signs.residual.size() == h && signs.small_scale.size() == h &&
-                    signs.large_scale.size() == h && signs.two_bit_residual.size() == h,
-                "signs must hold H = {} values of scale, residual, small_scale, large_scale and two_bit_residual "
-                "(pack_sign_bits)",
-                hidden);
-  validate_exact_columns(signs.exact_columns, cols);
-  const size_t exact_count = signs.exact_columns.size();
-  TWELL_REQUIRE(signs.exact_weights.size() == h * exact_count, "signs.exact_weights must hold H·c = {} values, got {}",
-                h * exact_count, signs.exact_weights.size());
+  validate_sign_bits(signs, hidden, cols);
+  const size_t h = static_cast<size_t>(hidden), exact_count = signs.exact_columns.size();
   // The kernel takes the large plane as given: a large bit at an exact column would count that
   // column twice (its exact term and the plane's).
   for (int32_t j = 0; j < hidden; ++j)

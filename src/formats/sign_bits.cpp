@@ -22,6 +22,25 @@ void validate_exact_columns(const std::vector<int32_t>& columns, int32_t cols) {
   }
 }
 
+void validate_sign_bits(const SignBits& signs, int32_t rows, int32_t cols) {
+  TWELL_REQUIRE(signs.rows == rows && signs.cols == cols,
+                "signs must be packed from the relu projection [H={}, D={}], got [{}, {}]", rows, cols, signs.rows,
+                signs.cols);
+  const size_t plane_words = static_cast<size_t>(rows) * signs.words_per_row(), r = static_cast<size_t>(rows);
+  TWELL_REQUIRE(signs.bits.size() == plane_words && signs.large.size() == plane_words,
+                "signs must hold two planes of H·ceil(D/32) = {} words (bits, large), got {} and {}", plane_words,
+                signs.bits.size(), signs.large.size());
+  TWELL_REQUIRE(signs.scale.size() == r && signs.residual.size() == r && signs.small_scale.size() == r &&
+                    signs.large_scale.size() == r && signs.two_bit_residual.size() == r,
+                "signs must hold H = {} values of scale, residual, small_scale, large_scale and two_bit_residual "
+                "(pack_sign_bits)",
+                rows);
+  validate_exact_columns(signs.exact_columns, cols);
+  TWELL_REQUIRE(signs.exact_weights.size() == r * signs.exact_columns.size(),
+                "signs.exact_weights must hold H·c = {} values, got {}", r * signs.exact_columns.size(),
+                signs.exact_weights.size());
+}
+
 SignBits pack_sign_bits(const float* matrix, int32_t rows, int32_t cols, const std::vector<int32_t>& exact_columns) {
   TWELL_REQUIRE(rows >= 1, "pack_sign_bits: rows (R) must be >= 1, got {}", rows);
   TWELL_REQUIRE(cols >= 1, "pack_sign_bits: cols (K) must be >= 1, got {}", cols);

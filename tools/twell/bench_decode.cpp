@@ -330,10 +330,8 @@ void run_decode_bench(const DecodeBenchOptions& options) {
                     .seed = options.seed};
   const FfnWeights weights = make_workload(spec).weights;
   const std::vector<float> samples = make_activations(options.calibration_rows, options.d_model, options.seed + 7777);
-  const float* projection = weights.relu_projection().data();
-  const SignBits signs = pack_sign_bits(projection, options.d_hidden, options.d_model,
-                                        choose_exact_columns(samples.data(), options.calibration_rows, projection,
-                                                             options.d_hidden, options.d_model, options.exact_columns));
+  const SignBits signs =
+      pack_sign_bits_for_samples(samples.data(), options.calibration_rows, weights, options.exact_columns);
   std::vector<PredictorConfig> predictors;
   fmt::print("twell bench decode: {} D={} H={} density={} ({} calibration tokens, target recall {}, exact columns "
              "[{}])\n",

@@ -11,7 +11,6 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
-#include "twell/convert.h"
 #include "twell/cpu.h"
 #include "twell/decode.h"
 #include "twell/error.h"
@@ -40,14 +39,6 @@ struct CalibrateOptions {
   int exact_columns = kMaxExactColumns;
 };
 
-// W's sign bits with the exact columns chosen on the samples x [rows, D].
-SignBits pack_for_samples(const float* samples, int64_t rows, const FfnWeights& weights, int max_exact_columns) {
-  const float* projection = weights.relu_projection().data();
-  return pack_sign_bits(projection, weights.d_hidden, weights.d_model,
-                        choose_exact_columns(samples, rows, projection, weights.d_hidden, weights.d_model,
-                                             max_exact_columns));
-}
-
 void calibrate_model(const CalibrateOptions& options) {
   TWELL_REQUIRE(!options.text_file.empty(), "-m needs -f TEXT: the text whose FFN inputs calibrate the predictor");
   TWELL_REQUIRE(options.predictor != "both" && options.predictor != "all",
@@ -66,7 +57,8 @@ void calibrate_model(const CalibrateOptions& options) {
              options.recall);
   for (int32_t l = 0; l < config.n_layers; ++l) {
     const FfnWeights& weights = model.weights().layers[l].ffn;
-    const SignBits signs = pack_for_samples(samples.ffn_inputs[l].data(), samples.tokens, weights, options.exact_columns);
+    const SignBits signs =
+        pack_sign_bits_for_samples(samples.ffn_inputs[l].data(), samples.tokens, weights, options.exact_columns);
     record.layers.push_back(calibrate_predictor(samples.ffn_inputs[l].data(), samples.tokens, weights, signs, kind,
                                                 options.recall));
     const Calibration& c = record.layers.back();
@@ -97,7 +89,7 @@ void run_calibrate(const CalibrateOptions& options) {
   const FfnWeights weights = make_workload(spec).weights;
   // Sample tokens drawn apart from the workload's own x, as calibration data would be.
   const std::vector<float> samples = make_activations(options.rows, options.d_model, options.seed + 7777);
-  const SignBits signs = pack_for_samples(samples.data(), options.rows, weights, options.exact_columns);
+  const SignBits signs = pack_sign_bits_for_samples(samples.data(), options.rows, weights, options.exact_columns);
   nlohmann::json layer = {{"layer", 0},
                           {"d_model", options.d_model},
                           {"d_hidden", options.d_hidden},
