@@ -1,7 +1,7 @@
 // The CUDA inference FFN (include/twell/cuda.h): its ops in the op-test harness (backend "cuda"), and
 // tests of what the harness cannot see: a spill that must grow, tiles lost to a too-small spill and
 // recomputed by the consumer, the error against float64 compared with the dense bf16 FFN's, and the
-// dispatching SparseFfn. Skipped without a GPU.
+// dispatching SparseFfn, and one decode layer run many times in a row. Skipped without a GPU.
 //
 // The kernels need D to be a multiple of 64 (TMA rows, whole k-tiles); the adapters pad x and the
 // weights with zero columns up to the next multiple, which changes no dot product, and drop the
@@ -236,6 +236,34 @@ TEST_F(CudaFfn, DispatchingFfnIsRightOnEveryPath) {
     EXPECT_LT(error_of(p, y), 1e-2) << "call " << call;
   }
   EXPECT_TRUE(saw_dense && saw_twell) << "the first calls of a bucket time both paths";
+}
+
+// One layer run many times, M and the predictor changing from call to call, into fresh NaN-poisoned
+// outputs, every neuron predicted: each call's y is that call's exact FFN (the kernel zeroes y itself,
+// once per call, before any block adds to it).
+TEST_F(CudaFfn, DecodeLayerCallsInARowEachMatchTheReference) {
+  const WorkloadSpec spec{.rows = kDecodeMaxRows, .d_model = 264, .d_hidden = 700, .density = 0.05, .seed = 21};
+  const Workload work = make_workload(spec);
+  const SignBits signs = pack_sign_bits(work.weights.relu_projection().data(), spec.d_hidden, spec.d_model, {0, 9});
+  const cuda::DeviceFfnWeights device_weights = test::upload_weights_any_width(work.weights);
+  const cuda::DecodeLayer layer(device_weights, signs);
+  int call = 0;
+  for (int64_t rows : {1, 16, 3, 9, 1, 16})
+    for (PredictorKind kind : {PredictorKind::sign_rule, PredictorKind::one_bit_gate,
+                               PredictorKind::normalized_one_bit_gate, PredictorKind::two_bit_gate}) {
+      SCOPED_TRACE(testing::Message() << "call " << call << ", M = " << rows << ", " << to_string(kind));
+      const float* x = work.x.data() + (call++ % (kDecodeMaxRows + 1 - rows)) * spec.d_model;
+      const size_t count = static_cast<size_t>(rows) * spec.d_model;
+      const std::vector<double> expected = ref::ffn_dense(x, rows, work.weights);
+      const cuda::DeviceArray<bf16> device_x = cuda::upload_bf16(x, count);
+      std::vector<float> y;
+      test::poison(y, count);
+      const cuda::DeviceArray<float> device_y = cuda::make_device_array<float>(count);
+      cuda::copy_to_device(device_y.get(), y.data(), count * sizeof(float));
+      layer.run(device_x.get(), rows, PredictorConfig{kind, 1e30, 1e30}, device_y.get(), nullptr);
+      cuda::copy_to_host(y.data(), device_y.get(), count * sizeof(float));
+      EXPECT_TRUE(test::near_relative_l2("y", y.data(), expected.data(), count, 2e-5));
+    }
 }
 
 TEST_F(CudaFfn, RejectsBadArguments) {

@@ -3,12 +3,14 @@
 //
 // One launch per call, one block per 16 neurons: it scores them for all M tokens on the tensor cores
 // (a bf16 product of x with ±1, and for the two-bit gate ±1-or-0, built from the sign bits; the sign
-// rule as the same product with sign(x)), computes the exact gate of the predicted (token, neuron)
-// pairs from one read of the gate row, and for the truly active ones reads the up and down rows
-// together and adds relu(g)·u·down[j] into an accumulator with vector atomics; the last block to
-// finish moves the accumulator into y. Nothing allocates and nothing waits on the host, so run() can
-// be captured in a CUDA graph. The sum order of y depends on timing: results agree with the
-// reference to fp32 rounding, not bit for bit between runs.
+// rule as the same product with sign(x)), then, D split over its warps, reads the gate rows of the
+// neurons with predicted tokens (and, when they are few, their up and down rows in the same round
+// trip) into shared memory and computes the exact gates of all tokens as one mma per 16 columns and
+// 8 neurons; for the truly active (token, neuron) pairs u = x·up[j] the same way, and y += relu(g)·u·
+// down[j] by vector atomics. The first block to start zeroes y and the others wait for it before
+// their first atomic. Nothing allocates and nothing waits on the host, so run() can be captured in a
+// CUDA graph. The sum order of y depends on timing: results agree with the reference to fp32
+// rounding, not bit for bit between runs.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -30,8 +32,8 @@ class DecodeLayer {
   DecodeLayer& operator=(const DecodeLayer&) = delete;
 
   // y [M, D] fp32 (device) from x [M, D] bf16 (device), 1 <= M <= kDecodeMaxRows, every predictor
-  // kind; x and y 16-byte aligned. Asynchronous. The runs of one layer share its accumulator: order
-  // them on one stream (or chain their streams).
+  // kind; x and y 16-byte aligned. Asynchronous. The runs of one layer share its call counter (which
+  // block zeroes y, and when): order them on one stream (or chain their streams).
   void run(const bf16* x, int64_t rows, const PredictorConfig& predictor, float* y, cudaStream_t stream,
            const DecodeOptions& options = {}) const;
   // Counters summed over every run since the last stats() call (then reset). Synchronizes `stream`.

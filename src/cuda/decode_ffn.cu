@@ -1,20 +1,31 @@
-// The CUDA decode FFN (include/twell/decode_cuda.h). One block of kParts warps per tile of 16 neurons:
+// The CUDA decode FFN (include/twell/decode_cuda.h). One block of kParts warps per tile of 16 neurons;
+// every step splits D over the warps (warp w owns sign words [w·words_per_part, (w + 1)·words_per_part),
+// 32 columns each), so that each warp reads its slice of every row it needs with all loads in flight
+// at once, and the warps meet only in shared-memory sums:
 //   1. score the tile for all M <= 16 tokens on the tensor cores: mma.m16n8k16 with A = the tile's 16
 //      weight rows as bf16 ±1 built in registers from the sign bits (the two-bit gate adds a second A,
 //      ±1 where the large bit is set and 0 elsewhere) and B = x [16 k, 8 tokens] (two token tiles
-//      for M > 8). Each warp takes 1/kParts of D; the partial sums meet in shared memory. The sign
-//      rule takes B = sign(x) as ±1, so the sum is D − 2·N_neg, exact in fp32. For the gates, B is
-//      zero at the exact columns (their terms are added exactly afterwards) and ||x|| over the other
-//      columns is summed from the same B fragments;
+//      for M > 8). The mma's k index is permuted (the planes are regrouped on the host to match) so
+//      that lane quad q's B registers of one sign word are x's columns 8q .. 8q + 7: one 16-byte load
+//      per lane, word and token tile. The sign rule takes B = sign(x) as ±1, so the sum is D − 2·N_neg,
+//      exact in fp32. The normalized gates get ||x||² from the same registers (x·xᵀ on the tensor cores,
+//      whose diagonal is what they need). Exact columns are not special here: step 2 takes their sign
+//      terms out (folded into the exact weights on the host) and their squares out of ||x||²;
 //   2. one thread per (neuron, token) applies the predictor's rule (decode.h);
-//   3. the predicted neurons are dealt to the warps: one read of the gate row gives the exact gate of
-//      the predicted tokens; for the tokens with gate > 0 one read of the up and down rows together,
-//      u = x·up[j], and accumulator[m] += relu(g)·u·down[j] by red.global.add.v4.f32;
-//   4. the last block to finish copies the accumulator into y and zeroes it for the next call, so y
-//      needs no memset (one graph node per call).
+//   3. the neurons with predicted tokens, up to `slots` at a time: each warp copies its slices of their
+//      gate rows into shared memory (cp.async, one round trip), then computes the exact gates of all
+//      tokens as one mma per 16 columns and 8 neurons (A = x, B = the rows); the warps' partial sums
+//      meet in shared memory. With few such neurons their up and down rows come in the same round
+//      trip (most blocks then need no second one);
+//   4. for the truly active neurons, u = x·up[j] the same way, and y[m] += relu(g)·u·down[j] with vector
+//      atomics, each warp for its own columns.
+// y needs no memset (one graph node per call): the first block to start (a ticket, so that it is
+// surely running) zeroes y and publishes the call's epoch; blocks wait for it before their first
+// atomic add, by which time it is long done.
 // Bytes: the sign planes of every neuron + gate rows of predicted neurons + up/down rows of active ones.
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -26,20 +37,31 @@
 namespace twell::cuda {
 namespace {
 
-constexpr int kTileNeurons = 16;  // mma M: the neurons of one block
-constexpr int kTokenTile = 8;     // mma N: tokens per token tile
-constexpr int kParts = 8;         // warps per block, each scoring 1/kParts of D
+constexpr int kTileNeurons = 16;  // mma M of step 1: the neurons of one block
+constexpr int kTokenTile = 8;     // mma N of step 1: tokens per token tile
+constexpr int kParts = 8;         // warps per block, each owning 1/kParts of D
 constexpr int kThreads = kParts * 32;
 // Blocks per SM the registers are sized for (launch bounds): with three, every tile of H = 5632
 // (352 blocks on 132 SMs) is resident at once.
 constexpr int kMinBlocksPerSm = 3;
-constexpr int kChunk = 8;         // bf16 per 16-byte load
+constexpr int kChunk = 8;          // bf16 per 16-byte piece of a row
+constexpr int kPiecesPerWord = 4;  // a sign word spans 32 columns: one piece per mma quad
+constexpr int kMaxSlots = 16;      // rows a warp holds at once in steps 3 and 4 (two mma n-tiles)
+// Shared memory a block aims at (the row slots take what steps 1-2 leave): three blocks per SM then
+// leave ~90 KB of L1 for x (64 KB at M = 16), which every block reads twice. Measured on the H200:
+// 32 KB (5 slots at D = 2048) made M = 16 3-4 us slower (more rounds of rows), 64 KB was within 0.4 us.
+constexpr int kSharedTarget = 48 * 1024;
 
 // What a kind reads: the two-bit gate both planes, the others the sign plane; the normalized gates
 // also divide by ||x||.
 __host__ __device__ constexpr int planes_of(PredictorKind kind) { return kind == PredictorKind::two_bit_gate ? 2 : 1; }
 __host__ __device__ constexpr bool is_normalized(PredictorKind kind) {
   return kind == PredictorKind::normalized_one_bit_gate || kind == PredictorKind::two_bit_gate;
+}
+// Words of x loaded at once in step 1: 32 registers (16 for the two-bit gate at M > 8, whose
+// accumulators take the rest).
+__host__ __device__ constexpr int word_batch(PredictorKind kind, int token_tiles) {
+  return token_tiles == 1 ? 8 : kind == PredictorKind::two_bit_gate ? 2 : 4;
 }
 
 struct Counters {
@@ -48,46 +70,49 @@ struct Counters {
   unsigned long long missed;
 };
 
+// Grid-wide state of a layer's calls, never reset: `started` hands out tickets (call = ticket / grid
+// size, since calls are stream-ordered), `zeroed` is the number of calls whose y has been zeroed.
+struct CallSync {
+  unsigned long long started;
+  unsigned long long zeroed;
+};
+
+// Shared-memory layout of one launch, in bytes of the dynamic area. Steps 1-2: the tile's planes,
+// the warps' partial scores and squares. Steps 3-4 reuse it: each warp's row slots, then the warps'
+// partial dot products.
+struct SharedLayout {
+  int32_t partial_scores, squares, step_one_end;  // offsets
+  int32_t slot_stride, slots, partial_dots, step_three_end;
+  int32_t bytes() const { return std::max(step_one_end, step_three_end); }
+};
+
 struct DecodeParams {
   const bf16* x;              // [M, D]
   const bf16* projection;     // [H, D] gate (gated) or up
   const bf16* up;             // [H, D] (null when non-gated)
   const bf16* down;           // [H, D]
-  const uint2* sign_tiles;    // [tiles, words, 8]: sign words of rows (g, g + 8) of the tile, unzipped
-  const uint2* large_tiles;   // [tiles, words, 8]: the same for the large plane
+  const uint32_t* sign_tiles;   // [tiles, words, 8 groups, 2]: tiled_plane of bits
+  const uint32_t* large_tiles;  // the same for the large plane
   const float* scale;         // [H] one-bit gates: scale; two-bit gate: small_scale
   const float* large_scale;   // [H] two-bit gate
   const float* residual;      // [H] normalized gates: residual or two_bit_residual
-  const float* exact_weights;  // [H, exact_count]
+  const float* exact_weights;  // [H, exact_count]: W[j, c] − scale·sign term (exact_weights_without_sign_term)
   int32_t exact_columns[kMaxExactColumns];  // ascending
   int32_t exact_count;
-  float* accumulator;         // [M, D], zero between calls
   float* y;                   // [M, D]
-  unsigned int* finished_blocks;  // zero between calls
+  CallSync* sync;
   Counters* counters;         // [tiles], summed over runs until stats()
-  int32_t rows, cols, hidden, words;
+  SharedLayout shared;
+  int32_t rows, cols, hidden, words, words_per_part;
   int32_t max_negatives;      // sign rule
   float min_score;            // gates
   bool count_missed;
 };
 
-// The tiles' sign words are unzipped: bit 2i of a packed word moves to bit i, bit 2i + 1 to bit
-// 16 + i. Columns 2i and 2i + 1, which one A register holds, then sit 16 bits apart, and one shift
-// puts both under the bf16 sign bits (bits 15 and 31).
-uint32_t unzip_bits(uint32_t word) {
-  uint32_t t = (word ^ (word >> 1)) & 0x22222222u;
-  word ^= t ^ (t << 1);
-  t = (word ^ (word >> 2)) & 0x0c0c0c0cu;
-  word ^= t ^ (t << 2);
-  t = (word ^ (word >> 4)) & 0x00f000f0u;
-  word ^= t ^ (t << 4);
-  t = (word ^ (word >> 8)) & 0x0000ff00u;
-  word ^= t ^ (t << 8);
-  return word;
-}
-
-// plane [H, words] -> [tiles, words, 8 groups, 2]: the words of rows g and g + 8 of a tile side by
-// side (one 8-byte load per mma lane), unzipped; rows past H are zero.
+// plane [H, words] -> [tiles, words, 8 groups, 2]: for lane (group g, quad q) of step 1's mma, word
+// 2·(w·8 + g) + q/2 holds, at bits 8·(q % 2) + r and 8·(q % 2) + r + 16, the signs of the columns that
+// its A register r (0..7, two mma steps of 4) takes: row g + 8·(r % 2), columns 32w + 8q + 2·(r / 2)
+// and that + 1. Rows past H are zero.
 std::vector<uint32_t> tiled_plane(const std::vector<uint32_t>& plane, int32_t hidden, int32_t words) {
   const int32_t tiles = (hidden + kTileNeurons - 1) / kTileNeurons;
   std::vector<uint32_t> tiled(static_cast<size_t>(tiles) * words * kTileNeurons, 0u);
@@ -96,14 +121,15 @@ std::vector<uint32_t> tiled_plane(const std::vector<uint32_t>& plane, int32_t hi
       for (int32_t n = 0; n < kTileNeurons; ++n) {
         const int32_t row = tile * kTileNeurons + n;
         if (row >= hidden) continue;
-        const size_t at = ((static_cast<size_t>(tile) * words + w) * 8 + n % 8) * 2 + n / 8;
-        tiled[at] = unzip_bits(plane[static_cast<size_t>(row) * words + w]);
+        const uint32_t word = plane[static_cast<size_t>(row) * words + w];
+        for (int c = 0; c < 32; ++c) {
+          if (!((word >> c) & 1u)) continue;
+          const int quad = c / 8, reg = (c % 8) / 2 * 2 + n / 8;
+          const int bit = (quad % 2) * 8 + reg + (c % 2) * 16;
+          tiled[((static_cast<size_t>(tile) * words + w) * 8 + n % 8) * 2 + quad / 2] |= 1u << bit;
+        }
       }
   return tiled;
-}
-
-__device__ __forceinline__ uint4 load_chunk(const bf16* row, int chunk) {
-  return __ldg(reinterpret_cast<const uint4*>(row) + chunk);
 }
 
 __device__ __forceinline__ void red_add_v4(float* address, float a, float b, float c, float d) {
@@ -111,9 +137,19 @@ __device__ __forceinline__ void red_add_v4(float* address, float a, float b, flo
                : "memory");
 }
 
-__device__ __forceinline__ void copy_async_16(void* shared, const void* global) {
+// 16 bytes from global into shared memory, or zeros when `bytes` is 0.
+__device__ __forceinline__ void copy_async_16(void* shared, const void* global, uint32_t bytes = 16) {
   const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(address), "l"(global) : "memory");
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(address), "l"(global), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ unsigned long long load_acquire(const unsigned long long* address) {
+  unsigned long long value;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(value) : "l"(address) : "memory");
+  return value;
+}
+__device__ __forceinline__ void store_release(unsigned long long* address, unsigned long long value) {
+  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(address), "l"(value) : "memory");
 }
 
 // bf16 pair ±1 from the bits at positions 15 and 31 of `shifted` (set: −1).
@@ -132,142 +168,93 @@ __device__ __forceinline__ uint32_t x_sign_pair(uint32_t x) {
   return (x & nonzero & 0x80008000u) | 0x3f803f80u;
 }
 
-// out[m] = x[m]·row for every token in `tokens` (bit m = token m); out is this warp's shared array,
-// written by lane 0 and visible to the whole warp on return. [D] rows. The row is read in batches of
-// kBatch 16-byte loads per lane, all issued before the first use (8 would need ~110 registers with
-// the x loads beside them, over the 80 that let three blocks share an SM; the rows are prefetched
-// to L2, so the second batch waits on L2, not DRAM).
-constexpr int kBatch = 4;
-// A lane's kBatch 16-byte pieces of a row (pieces first, first + 32, ...), all issued before any is
-// used; zeros past the row's `chunks` pieces.
-__device__ __forceinline__ void load_batch(const bf16* row, int first, int chunks, uint4 (&pieces)[kBatch]) {
-#pragma unroll
-  for (int b = 0; b < kBatch; ++b)
-    pieces[b] = first + 32 * b < chunks ? load_chunk(row, first + 32 * b) : make_uint4(0u, 0u, 0u, 0u);
+__device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
-template <int kTokens>
-__device__ __forceinline__ void dots(const DecodeParams& p, const bf16* row, uint32_t tokens, int lane, float* out) {
-  float sums[kTokens];
+
+// Lane (group, quad)'s sign bits of word w (tiled_plane), moved to bits 8..15 and 24..31: A register r
+// is then sign_pair(bits << (7 − r)).
+__device__ __forceinline__ uint32_t lane_bits(const uint32_t* plane, int w, int group, int quad) {
+  const uint32_t packed = plane[(w * 8 + group) * 2 + (quad >> 1)];
+  return quad & 1 ? packed : packed << 8;
+}
+
+// The lane's piece of x for words [w0, w0 + batch) and tokens group + 8·tile: columns 32w + 8·quad ..
+// + 7, zero past M, D or end_word.
+template <int kBatch, int kTokenTiles>
+__device__ __forceinline__ void load_x_words(const DecodeParams& p, int w0, int end_word, int group, int quad,
+                                             uint4 (&x)[kBatch][kTokenTiles]) {
+  const int pieces = p.cols / kChunk;
 #pragma unroll
-  for (int m = 0; m < kTokens; ++m) sums[m] = 0.0f;
-  const int chunks = p.cols / kChunk;
-  for (int first = lane; first < chunks; first += 32 * kBatch) {
-    uint4 w[kBatch];
-    load_batch(row, first, chunks, w);
+  for (int b = 0; b < kBatch; ++b) {
+    const int piece = (w0 + b) * kPiecesPerWord + quad;
 #pragma unroll
-    for (int m = 0; m < kTokens; ++m) {
-      if (!(tokens & (1u << m))) continue;
-      const bf16* x_row = p.x + static_cast<int64_t>(m) * p.cols;
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b)
-        if (first + 32 * b < chunks) sums[m] += dot8(load_chunk(x_row, first + 32 * b), w[b]);
+    for (int tile = 0; tile < kTokenTiles; ++tile) {
+      const int token = group + kTokenTile * tile;
+      x[b][tile] = w0 + b < end_word && piece < pieces && token < p.rows
+                       ? __ldg(reinterpret_cast<const uint4*>(p.x + static_cast<int64_t>(token) * p.cols) + piece)
+                       : make_uint4(0u, 0u, 0u, 0u);
     }
   }
-  __syncwarp();  // every lane is done reading out's previous values
-#pragma unroll
-  for (int m = 0; m < kTokens; ++m)
-    if (tokens & (1u << m)) {
-      const float sum = warp_sum(sums[m]);
-      if (lane == 0) out[m] = sum;
-    }
-  __syncwarp();
 }
 
-// Asks L2 for a row that is read soon.
-__device__ __forceinline__ void prefetch_row(const bf16* row, int cols, int lane) {
-  for (int byte = lane * 128; byte < cols * 2; byte += 32 * 128)
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(row) + byte));
-}
-
-// Step 1 for one warp: the tile's planes summed over this warp's words against every token.
-// Writes partial[part][plane][neuron][token] and, for the normalized gates, the partial Σ x² of
-// each token over the approximated columns to squares[part][token].
+// Step 1 for one warp: the tile's planes over this warp's words against every token. Writes
+// partial[part][plane][neuron][token] and, for the normalized gates, the partial Σ x² of each token
+// (every column) to squares[part][token]. `x` holds the first batch of words on entry.
 template <PredictorKind kKind, int kTokenTiles>
-__device__ __forceinline__ void score_part(const DecodeParams& p, const uint2* plane_words, int part, int lane,
+__device__ __forceinline__ void score_part(const DecodeParams& p, const uint32_t* planes, int first_word, int end_word,
+                                           int part, int lane, uint4 (&x)[word_batch(kKind, kTokenTiles)][kTokenTiles],
                                            float* partial, float* squares) {
   constexpr int kPlanes = planes_of(kKind);
   constexpr bool kSignRule = kKind == PredictorKind::sign_rule;
   constexpr bool kNormalized = is_normalized(kKind);
   constexpr int kTokens = kTokenTiles * kTokenTile;
-  const int group = lane >> 2, quad = lane & 3;  // mma fragment coordinates
-  const int words_per_part = (p.words + kParts - 1) / kParts;
-  const int first_word = part * words_per_part;
-  const int end_word = min(p.words, first_word + words_per_part);
-  // B rows: token group + 8·tile, zero past M.
-  const uint32_t* x_rows[kTokenTiles];
-  bool token_used[kTokenTiles];
-#pragma unroll
-  for (int tile = 0; tile < kTokenTiles; ++tile) {
-    const int token = group + kTokenTile * tile;
-    token_used[tile] = token < p.rows;
-    x_rows[tile] = reinterpret_cast<const uint32_t*>(p.x + static_cast<int64_t>(token_used[tile] ? token : 0) * p.cols);
-  }
-  int next_exact = 0;  // the first exact column not behind this warp's columns
-  if (!kSignRule)
-    while (next_exact < p.exact_count && p.exact_columns[next_exact] < first_word * 32) ++next_exact;
-
+  constexpr int kBatch = word_batch(kKind, kTokenTiles);
+  const int group = lane >> 2, quad = lane & 3;
+  const int pieces = p.cols / kChunk;
   float acc[kTokenTiles][kPlanes][4] = {};
-  float square_sum[kTokenTiles] = {};
-  for (int w = first_word; w < end_word; ++w) {
-    const uint2 signs = plane_words[w * 8 + group];
-    const uint2 large = kPlanes == 2 ? plane_words[(p.words + w) * 8 + group] : make_uint2(0u, 0u);
+  float gram[kTokenTiles][4] = {};
+  for (int w0 = first_word; w0 < end_word; w0 += kBatch) {
+    if (w0 != first_word) load_x_words(p, w0, end_word, group, quad, x);
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int first_col = w * 32 + half * 16;
-      if (first_col >= p.cols) break;  // the word's second half lies past D
-      const int k = first_col + quad * 2;  // this lane's first column; pairs never straddle D (D even)
-      // A: rows group / group + 8, columns k, k + 1 (registers 0, 1) and k + 8, k + 9 (2, 3).
-      const int low_shift = 15 - 8 * half - quad, high_shift = low_shift - 4;
-      const uint32_t shifted[4] = {signs.x << low_shift, signs.y << low_shift, signs.x << high_shift,
-                                   signs.y << high_shift};
-      uint32_t a[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) a[i] = sign_pair(shifted[i]);
-      uint32_t b[kTokenTiles][2];
+    for (int b = 0; b < kBatch; ++b) {
+      const int w = w0 + b;
+      if (w >= end_word) break;
+      const uint32_t bits = lane_bits(planes, w, group, quad);
+      const uint32_t large = kPlanes == 2 ? lane_bits(planes + p.words * 16, w, group, quad) : 0u;
+      uint32_t operand[kTokenTiles][4];
 #pragma unroll
       for (int tile = 0; tile < kTokenTiles; ++tile) {
-        b[tile][0] = token_used[tile] && k < p.cols ? __ldg(x_rows[tile] + k / 2) : 0u;
-        b[tile][1] = token_used[tile] && k + 8 < p.cols ? __ldg(x_rows[tile] + k / 2 + 4) : 0u;
-      }
-      if (kSignRule) {
+        const bool used = group + kTokenTile * tile < p.rows && w * kPiecesPerWord + quad < pieces;
 #pragma unroll
-        for (int tile = 0; tile < kTokenTiles; ++tile) {
-          b[tile][0] = token_used[tile] && k < p.cols ? x_sign_pair(b[tile][0]) : 0u;
-          b[tile][1] = token_used[tile] && k + 8 < p.cols ? x_sign_pair(b[tile][1]) : 0u;
-        }
-      } else {
-        // Exact columns in these 16: zero in B, so neither the sums nor ||x|| see them.
-        for (; next_exact < p.exact_count && p.exact_columns[next_exact] < first_col + 16; ++next_exact) {
-          const int within = p.exact_columns[next_exact] - first_col;
-          if (((within & 7) >> 1) != quad) continue;
-          const uint32_t keep = within & 1 ? 0x0000ffffu : 0xffff0000u;
-          const uint32_t keep_low = within < 8 ? keep : ~0u, keep_high = within < 8 ? ~0u : keep;
-#pragma unroll
-          for (int tile = 0; tile < kTokenTiles; ++tile) {
-            b[tile][0] &= keep_low;
-            b[tile][1] &= keep_high;
-          }
-        }
+        for (int i = 0; i < 4; ++i)
+          operand[tile][i] = kSignRule ? (used ? x_sign_pair(word_of(x[b][tile], i)) : 0u) : word_of(x[b][tile], i);
       }
-      if (kNormalized) {
+#pragma unroll
+      for (int step = 0; step < 2; ++step) {
+        uint32_t a[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) a[i] = sign_pair(bits << (7 - (4 * step + i)));
 #pragma unroll
         for (int tile = 0; tile < kTokenTiles; ++tile)
+          mma_bf16(acc[tile][0], a, operand[tile][2 * step], operand[tile][2 * step + 1]);
+        if (kPlanes == 2) {
+          uint32_t a_large[4];
 #pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const float low = bf16_low(b[tile][r]), high = bf16_high(b[tile][r]);
-            square_sum[tile] = fmaf(low, low, fmaf(high, high, square_sum[tile]));
-          }
-      }
+          for (int i = 0; i < 4; ++i) a_large[i] = a[i] & half_masks(large << (7 - (4 * step + i)));
 #pragma unroll
-      for (int tile = 0; tile < kTokenTiles; ++tile) mma_bf16(acc[tile][0], a, b[tile][0], b[tile][1]);
-      if (kPlanes == 2) {
-        const uint32_t large_shifted[4] = {large.x << low_shift, large.y << low_shift, large.x << high_shift,
-                                           large.y << high_shift};
-        uint32_t a_large[4];
+          for (int tile = 0; tile < kTokenTiles; ++tile)
+            mma_bf16(acc[tile][kPlanes - 1], a_large, operand[tile][2 * step], operand[tile][2 * step + 1]);
+        }
+        if (kNormalized) {
+          // A = x [16 tokens, k]: rows group and group + 8.
+          const uint4 second = kTokenTiles == 2 ? x[b][kTokenTiles - 1] : make_uint4(0u, 0u, 0u, 0u);
+          const uint32_t rows_of_x[4] = {word_of(x[b][0], 2 * step), word_of(second, 2 * step),
+                                         word_of(x[b][0], 2 * step + 1), word_of(second, 2 * step + 1)};
 #pragma unroll
-        for (int i = 0; i < 4; ++i) a_large[i] = a[i] & half_masks(large_shifted[i]);
-#pragma unroll
-        for (int tile = 0; tile < kTokenTiles; ++tile) mma_bf16(acc[tile][kPlanes - 1], a_large, b[tile][0], b[tile][1]);
+          for (int tile = 0; tile < kTokenTiles; ++tile)
+            mma_bf16(gram[tile], rows_of_x, operand[tile][2 * step], operand[tile][2 * step + 1]);
+        }
       }
     }
   }
@@ -281,14 +268,127 @@ __device__ __forceinline__ void score_part(const DecodeParams& p, const uint2* p
         const int neuron = group + (i >= 2 ? 8 : 0), token = kTokenTile * tile + quad * 2 + (i & 1);
         partial[((part * kPlanes + plane) * kTileNeurons + neuron) * kTokens + token] = acc[tile][plane][i];
       }
-    if (kNormalized) {
-      // The quad's four lanes hold the four column pairs of one token.
-      float sum = square_sum[tile];
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      if (quad == 0) squares[part * kTokens + kTokenTile * tile + group] = sum;
+    // x·xᵀ's diagonal: token 8·tile + group sits at row 8·tile + group, column group of token tile `tile`.
+    if (kNormalized && quad == group >> 1)
+      squares[part * kTokens + kTokenTile * tile + group] = group & 1 ? gram[tile][2 * tile + 1] : gram[tile][2 * tile];
+  }
+}
+
+// Copies this warp's slices of the rows of `neurons` (bit n: neuron first_neuron + n) of `matrix` into
+// its slots first_slot, first_slot + 1, ... (zeros past D). The caller waits (cp.async.wait_all) and
+// syncs the warp before reading them.
+__device__ __forceinline__ void stage_rows(const DecodeParams& p, const bf16* matrix, uint32_t neurons, int first_slot,
+                                           unsigned char* slots, int first_neuron, int first_word, int lane) {
+  const int pieces = p.cols / kChunk, slice_pieces = p.words_per_part * kPiecesPerWord;
+  const int first_piece = first_word * kPiecesPerWord;
+  int slot = first_slot;
+  for (uint32_t rest = neurons; rest != 0u; rest &= rest - 1u, ++slot) {
+    const bf16* row = matrix + static_cast<int64_t>(first_neuron + __ffs(rest) - 1) * p.cols;
+    for (int piece = lane; piece < slice_pieces; piece += 32) {
+      const bool inside = first_piece + piece < pieces;
+      const bf16* source = row + (inside ? (first_piece + piece) * kChunk : 0);
+      copy_async_16(slots + slot * p.shared.slot_stride + piece * 16, source, inside ? 16u : 0u);
     }
   }
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// out[slot][token] = x[token] · (slot's row) over this warp's columns, for slots [0, count): one mma
+// per 16 columns and 8 slots with A = x [16 tokens, k] and B = the slots' rows.
+template <int kTokenTiles>
+__device__ __forceinline__ void slot_dots(const DecodeParams& p, const unsigned char* slots, int count, int first_word,
+                                          int end_word, int lane, float* out) {
+  constexpr int kTokens = kTokenTiles * kTokenTile;
+  const int group = lane >> 2, quad = lane & 3;
+  const int pieces = p.cols / kChunk;
+  const bool second_tile = count > 8;
+  const uint4* x_rows[kTokenTiles];
+  bool token_used[kTokenTiles];
+#pragma unroll
+  for (int tile = 0; tile < kTokenTiles; ++tile) {
+    const int token = group + kTokenTile * tile;
+    token_used[tile] = token < p.rows;
+    x_rows[tile] = reinterpret_cast<const uint4*>(p.x + static_cast<int64_t>(token_used[tile] ? token : 0) * p.cols);
+  }
+  float acc[2][4] = {};
+#pragma unroll 2
+  for (int w = first_word; w < end_word; ++w) {
+    const int piece = w * kPiecesPerWord + quad;
+    uint4 x[2];
+#pragma unroll
+    for (int tile = 0; tile < 2; ++tile)
+      x[tile] = tile < kTokenTiles && token_used[tile % kTokenTiles] && piece < pieces
+                    ? __ldg(x_rows[tile % kTokenTiles] + piece)
+                    : make_uint4(0u, 0u, 0u, 0u);
+    const int offset = ((w - first_word) * kPiecesPerWord + quad) * 16;
+#pragma unroll
+    for (int n_tile = 0; n_tile < 2; ++n_tile) {
+      if (n_tile == 1 && !second_tile) break;
+      const int slot = n_tile * 8 + group;
+      const uint4 row = slot < count ? *reinterpret_cast<const uint4*>(slots + slot * p.shared.slot_stride + offset)
+                                     : make_uint4(0u, 0u, 0u, 0u);
+      const uint32_t a_low[4] = {x[0].x, x[1].x, x[0].y, x[1].y}, a_high[4] = {x[0].z, x[1].z, x[0].w, x[1].w};
+      mma_bf16(acc[n_tile], a_low, row.x, row.y);
+      mma_bf16(acc[n_tile], a_high, row.z, row.w);
+    }
+  }
+  // C fragment: acc[0..1] = token group, slots quad*2 + {0, 1}; acc[2..3] = token group + 8.
+#pragma unroll
+  for (int n_tile = 0; n_tile < 2; ++n_tile)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int token = group + (i >= 2 ? 8 : 0), slot = n_tile * 8 + quad * 2 + (i & 1);
+      if (token < kTokens) out[slot * kTokens + token] = acc[n_tile][i];
+    }
+}
+
+// y[m] += Σ coefficient[n][m] · down row of n over this warp's columns, for the neurons n of `neurons`
+// (their down rows in slots first_slot, ...) and the tokens m where active[n] has bit m.
+template <int kTokens>
+__device__ __forceinline__ void add_down_rows(const DecodeParams& p, const unsigned char* slots, int first_slot,
+                                              uint32_t neurons, const uint32_t* active,
+                                              const float (*coefficient)[kTokens], int first_word, int lane) {
+  const int pieces = p.cols / kChunk, slice_pieces = p.words_per_part * kPiecesPerWord;
+  const int first_piece = first_word * kPiecesPerWord;
+  uint32_t tokens = 0u;
+  for (uint32_t rest = neurons; rest != 0u; rest &= rest - 1u) tokens |= active[__ffs(rest) - 1];
+  for (int piece = lane; piece < slice_pieces && first_piece + piece < pieces; piece += 32) {
+    for (uint32_t rest_tokens = tokens; rest_tokens != 0u; rest_tokens &= rest_tokens - 1u) {
+      const int m = __ffs(rest_tokens) - 1;
+      float sum[kChunk] = {};
+      int slot = first_slot;
+      for (uint32_t rest = neurons; rest != 0u; rest &= rest - 1u, ++slot) {
+        const int n = __ffs(rest) - 1;
+        if (!((active[n] >> m) & 1u)) continue;
+        const float c = coefficient[n][m];
+        const uint4 d = *reinterpret_cast<const uint4*>(slots + slot * p.shared.slot_stride + piece * 16);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          sum[2 * i] = fmaf(c, bf16_low(word_of(d, i)), sum[2 * i]);
+          sum[2 * i + 1] = fmaf(c, bf16_high(word_of(d, i)), sum[2 * i + 1]);
+        }
+      }
+      float* out = p.y + static_cast<int64_t>(m) * p.cols + (first_piece + piece) * kChunk;
+      red_add_v4(out, sum[0], sum[1], sum[2], sum[3]);
+      red_add_v4(out + 4, sum[4], sum[5], sum[6], sum[7]);
+    }
+  }
+}
+
+// The lowest `count` set bits of `mask`.
+__device__ __forceinline__ uint32_t lowest_bits(uint32_t mask, int count) {
+  uint32_t bits = 0u;
+  for (int i = 0; i < count && mask != 0u; ++i) {
+    const uint32_t low = mask & (0u - mask);
+    bits |= low;
+    mask ^= low;
+  }
+  return bits;
+}
+// The position of the set bit of rank `rank` (0: the lowest) of `mask`.
+__device__ __forceinline__ int nth_bit(uint32_t mask, int rank) {
+  for (int i = 0; i < rank; ++i) mask &= mask - 1u;
+  return __ffs(mask) - 1;
 }
 
 template <PredictorKind kKind, int kTokenTiles>
@@ -297,201 +397,234 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) decode_ffn_kernel(D
   constexpr bool kNormalized = is_normalized(kKind);
   constexpr bool kGate = kKind != PredictorKind::sign_rule;
   constexpr int kTokens = kTokenTiles * kTokenTile;
-  extern __shared__ __align__(16) uint2 plane_words[];  // [kPlanes, words, 8]: this tile's planes (cp.async: 16-byte aligned)
-  __shared__ float partial[kParts * kPlanes * kTileNeurons * kTokens];  // [part][plane][neuron][token]
-  __shared__ float squares[kParts * kTokens];                          // [part][token]
+  extern __shared__ __align__(16) unsigned char shared[];  // SharedLayout
   __shared__ float exact_x[kDecodeMaxRows][kMaxExactColumns];
-  __shared__ uint32_t predicted[kTileNeurons];  // bit m: token m predicted active
-  // Per warp, step 3's exact gates and then the coefficients relu(g)·u of the neuron in hand: in
-  // shared memory, not registers, so that the row loads of dots() have the registers.
-  __shared__ float gates[kParts][kDecodeMaxRows], coefficients[kParts][kDecodeMaxRows];
-  __shared__ Counters block_counts;
-  __shared__ bool last_block;
+  __shared__ uint32_t predicted[kTileNeurons], active[kTileNeurons];  // bit m: token m
+  __shared__ float gate_value[kTileNeurons][kTokens], coefficient[kTileNeurons][kTokens];
+  __shared__ unsigned int active_count, missed_count;
+  __shared__ unsigned long long call;  // this call's number (ticket / grid size)
+  __shared__ bool zeroes_y;
+  __shared__ float neuron_scale[kTileNeurons], neuron_large_scale[kTileNeurons], neuron_residual[kTileNeurons];
+  __shared__ float neuron_exact_weights[kTileNeurons][kMaxExactColumns];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int first_neuron = blockIdx.x * kTileNeurons;
+  const int first_word = warp * p.words_per_part, end_word = min(p.words, first_word + p.words_per_part);
+  const uint32_t* planes = reinterpret_cast<const uint32_t*>(shared);
+  float* partial_scores = reinterpret_cast<float*>(shared + p.shared.partial_scores);  // [part][plane][neuron][token]
+  float* squares = reinterpret_cast<float*>(shared + p.shared.squares);                // [part][token]
+  unsigned char* slots = shared + warp * p.shared.slots * p.shared.slot_stride;        // this warp's
+  float* partial_dots = reinterpret_cast<float*>(shared + p.shared.partial_dots);       // [part][slot][token]
+  float* warp_dots = partial_dots + warp * kMaxSlots * kTokens;
+  // Σ over the warps of partial_dots[.][slot][token].
+  auto dot_of = [&](int slot, int token) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int part = 0; part < kParts; ++part) sum += partial_dots[(part * kMaxSlots + slot) * kTokens + token];
+    return sum;
+  };
 
-  // The tile's planes into shared memory, all in flight at once.
-  const int plane_chunks = p.words * 4;  // 16-byte chunks per plane (8 uint2 per word)
+  unsigned long long ticket = 0;
+  if (threadIdx.x == 0) ticket = atomicAdd(&p.sync->started, 1ull);
+  // The tile's planes into shared memory, all in flight at once, and this warp's first words of x.
+  const int plane_chunks = p.words * 4;  // 16-byte chunks per plane
 #pragma unroll
   for (int plane = 0; plane < kPlanes; ++plane) {
-    const uint2* source = (plane == 0 ? p.sign_tiles : p.large_tiles) + static_cast<int64_t>(blockIdx.x) * p.words * 8;
+    const uint32_t* source =
+        (plane == 0 ? p.sign_tiles : p.large_tiles) + static_cast<int64_t>(blockIdx.x) * p.words * 16;
     for (int chunk = threadIdx.x; chunk < plane_chunks; chunk += kThreads)
-      copy_async_16(plane_words + (plane * p.words * 8 + chunk * 2), source + chunk * 2);
+      copy_async_16(shared + (plane * plane_chunks + chunk) * 16, source + chunk * 4);
   }
   asm volatile("cp.async.commit_group;" ::: "memory");
-  if (threadIdx.x < kTileNeurons) predicted[threadIdx.x] = 0u;
-  if (threadIdx.x == 0) block_counts = Counters{};
+  uint4 x[word_batch(kKind, kTokenTiles)][kTokenTiles];
+  load_x_words(p, first_word, end_word, lane >> 2, lane & 3, x);
+  if (threadIdx.x < kTileNeurons) {
+    predicted[threadIdx.x] = 0u;
+    active[threadIdx.x] = 0u;
+  }
   if (kGate && threadIdx.x < p.rows * p.exact_count) {
     const int m = threadIdx.x / p.exact_count, c = threadIdx.x % p.exact_count;
     const unsigned short bits =
         reinterpret_cast<const unsigned short*>(p.x)[static_cast<int64_t>(m) * p.cols + p.exact_columns[c]];
     exact_x[m][c] = __uint_as_float(static_cast<uint32_t>(bits) << 16);
   }
-  // This thread's (token, neuron) of step 2, and that neuron's constants, loaded while the planes arrive.
-  const int own_neuron = threadIdx.x % kTileNeurons, own_token = threadIdx.x / kTileNeurons;
-  const int own_j = first_neuron + own_neuron;
-  const bool owns_pair = own_token < p.rows && own_j < p.hidden;
-  float scale = 0.0f, large_scale = 0.0f, residual = 0.0f, exact_weights[kMaxExactColumns] = {};
-  if (kGate && owns_pair) {
-    scale = __ldg(p.scale + own_j);
-    if (kPlanes == 2) large_scale = __ldg(p.large_scale + own_j);
-    if (kNormalized) residual = __ldg(p.residual + own_j);
-#pragma unroll
-    for (int c = 0; c < kMaxExactColumns; ++c)
-      if (c < p.exact_count) exact_weights[c] = __ldg(p.exact_weights + static_cast<int64_t>(own_j) * p.exact_count + c);
+  // The tile's per-neuron constants of step 2, loaded while the planes arrive (in shared memory: the
+  // registers are step 1's).
+  if (kGate && threadIdx.x < kTileNeurons && first_neuron + threadIdx.x < p.hidden) {
+    const int j = first_neuron + threadIdx.x;
+    neuron_scale[threadIdx.x] = __ldg(p.scale + j);
+    if (kPlanes == 2) neuron_large_scale[threadIdx.x] = __ldg(p.large_scale + j);
+    if (kNormalized) neuron_residual[threadIdx.x] = __ldg(p.residual + j);
+  }
+  if (kGate && threadIdx.x < kTileNeurons * p.exact_count) {
+    const int n = threadIdx.x / p.exact_count, c = threadIdx.x % p.exact_count;
+    if (first_neuron + n < p.hidden)
+      neuron_exact_weights[n][c] =
+          __ldg(p.exact_weights + static_cast<int64_t>(first_neuron) * p.exact_count + threadIdx.x);
+  }
+  if (threadIdx.x == 0) {
+    active_count = 0u;
+    missed_count = 0u;
+    call = ticket / gridDim.x;
+    zeroes_y = ticket % gridDim.x == 0;
   }
   asm volatile("cp.async.wait_all;" ::: "memory");
   __syncthreads();
 
-  score_part<kKind, kTokenTiles>(p, plane_words, warp, lane, partial, squares);
+  if (zeroes_y) {  // the first block of the call; its release below follows the next barrier
+    float4* y = reinterpret_cast<float4*>(p.y);
+    for (int i = threadIdx.x; i < p.rows * p.cols / 4; i += kThreads) y[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
+  score_part<kKind, kTokenTiles>(p, planes, first_word, end_word, warp, lane, x, partial_scores, squares);
   __syncthreads();
+  if (zeroes_y && threadIdx.x == kThreads - 1) {
+    __threadfence();
+    store_release(&p.sync->zeroed, call + 1);
+  }
 
   // Step 2: each thread decides its (token, neuron).
-  if (owns_pair) {
+  const int own_neuron = threadIdx.x % kTileNeurons, own_token = threadIdx.x / kTileNeurons;
+  bool pair_predicted = false;
+  if (own_token < p.rows && first_neuron + own_neuron < p.hidden) {
     float sums[kPlanes];
 #pragma unroll
     for (int plane = 0; plane < kPlanes; ++plane) {
       sums[plane] = 0.0f;
 #pragma unroll
       for (int part = 0; part < kParts; ++part)
-        sums[plane] += partial[((part * kPlanes + plane) * kTileNeurons + own_neuron) * kTokens + own_token];
+        sums[plane] += partial_scores[((part * kPlanes + plane) * kTileNeurons + own_neuron) * kTokens + own_token];
     }
-    bool active;
     if (!kGate) {
-      active = (p.cols - __float2int_rn(sums[0])) / 2 <= p.max_negatives;  // Σ = D − 2·N_neg
+      pair_predicted = (p.cols - __float2int_rn(sums[0])) / 2 <= p.max_negatives;  // Σ = D − 2·N_neg
     } else {
-      // The CPU's order: the approximation, then the exact columns, then the normalization.
-      float score = kPlanes == 2 ? scale * sums[0] + (large_scale - scale) * sums[kPlanes - 1] : scale * sums[0];
+      // The CPU's order: the approximation, then the exact columns, then the normalization. The planes
+      // covered the exact columns too; their exact weights take that term back out.
+      const float scale = neuron_scale[own_neuron];
+      float score = kPlanes == 2 ? scale * sums[0] + (neuron_large_scale[own_neuron] - scale) * sums[kPlanes - 1]
+                                 : scale * sums[0];
 #pragma unroll
       for (int c = 0; c < kMaxExactColumns; ++c)
-        if (c < p.exact_count) score += exact_x[own_token][c] * exact_weights[c];
+        if (c < p.exact_count) score += exact_x[own_token][c] * neuron_exact_weights[own_neuron][c];
       if (kNormalized) {
         float square_sum = 0.0f;
 #pragma unroll
         for (int part = 0; part < kParts; ++part) square_sum += squares[part * kTokens + own_token];
-        score = normalized_score(score, residual, sqrtf(square_sum));
+#pragma unroll
+        for (int c = 0; c < kMaxExactColumns; ++c)
+          if (c < p.exact_count) square_sum -= exact_x[own_token][c] * exact_x[own_token][c];
+        score = normalized_score(score, neuron_residual[own_neuron], sqrtf(fmaxf(square_sum, 0.0f)));
       }
-      active = score >= p.min_score;
+      pair_predicted = score >= p.min_score;
     }
-    if (active) atomicOr(&predicted[own_neuron], 1u << own_token);
+    if (pair_predicted) atomicOr(&predicted[own_neuron], 1u << own_token);
   }
-  __syncthreads();
+  const int predicted_pairs = __syncthreads_count(pair_predicted);
 
-  // Step 3: the neurons with tokens to gate, dealt to the warps in order.
-  const uint32_t all_rows = (1u << p.rows) - 1u;
-  const bool neuron_exists = lane < kTileNeurons && first_neuron + lane < p.hidden;
-  const uint32_t lane_predicted = neuron_exists ? predicted[lane] : 0u;
-  const uint32_t lane_gated = p.count_missed && neuron_exists ? all_rows : lane_predicted;
-  const uint32_t neurons = __ballot_sync(0xffffffffu, lane_gated != 0u);
-  if (warp == 0) {
-    const unsigned long long count = __reduce_add_sync(0xffffffffu, __popc(lane_predicted));
-    if (lane == 0) block_counts.predicted = count;
-  }
-  // Ask L2 for every row this warp will read first, so the loop below waits on L2, not DRAM.
-  {
-    int rank = 0;
-    for (uint32_t rest = neurons; rest != 0u; rest &= rest - 1u, ++rank) {
-      if (rank % kParts != warp) continue;
-      const int64_t j = first_neuron + __ffs(rest) - 1;
-      prefetch_row(p.projection + j * p.cols, p.cols, lane);
-    }
-  }
-  unsigned long long active_count = 0, missed_count = 0;
-  {
-    int rank = 0;
-    for (uint32_t rest = neurons; rest != 0u; rest &= rest - 1u, ++rank) {
-      if (rank % kParts != warp) continue;
-      const int n = __ffs(rest) - 1;
-      const int64_t j = first_neuron + n;
-      const uint32_t predicted_rows = __shfl_sync(0xffffffffu, lane_predicted, n);
-      const uint32_t gate_rows = __shfl_sync(0xffffffffu, lane_gated, n);
-      float* gate = gates[warp];
-      dots<kTokens>(p, p.projection + j * p.cols, gate_rows, lane, gate);
-      uint32_t active_rows = 0;
-#pragma unroll
-      for (int m = 0; m < kTokens; ++m)
-        if ((gate_rows & (1u << m)) && gate[m] > 0.0f) active_rows |= 1u << m;
-      missed_count += __popc(active_rows & ~predicted_rows);
-      active_rows &= predicted_rows;
-      active_count += __popc(active_rows);
-      if (active_rows == 0) continue;
-
-      // Coefficients relu(g)·u of the active tokens; the down row is read in the same pass as the up row.
-      const bf16* down_row = p.down + j * p.cols;
-      prefetch_row(down_row, p.cols, lane);
-      float* coefficient = coefficients[warp];
-      if (p.up != nullptr) {
-        dots<kTokens>(p, p.up + j * p.cols, active_rows, lane, coefficient);
-        if (lane < kDecodeMaxRows && (active_rows & (1u << lane))) coefficient[lane] *= gate[lane];
-      } else if (lane < kDecodeMaxRows && (active_rows & (1u << lane))) {
-        coefficient[lane] = gate[lane];
-      }
-      __syncwarp();
-      const int chunks = p.cols / kChunk;
-      for (int first = lane; first < chunks; first += 32 * kBatch) {
-        uint4 d[kBatch];
-        load_batch(down_row, first, chunks, d);
-#pragma unroll
-        for (int m = 0; m < kTokens; ++m) {
-          if (!(active_rows & (1u << m))) continue;
-          const float s = coefficient[m];
-#pragma unroll
-          for (int b = 0; b < kBatch; ++b) {
-            if (first + 32 * b >= chunks) continue;
-            float* out = p.accumulator + static_cast<int64_t>(m) * p.cols + (first + 32 * b) * kChunk;
-            red_add_v4(out, s * bf16_low(d[b].x), s * bf16_high(d[b].x), s * bf16_low(d[b].y), s * bf16_high(d[b].y));
-            red_add_v4(out + 4, s * bf16_low(d[b].z), s * bf16_high(d[b].z), s * bf16_low(d[b].w),
-                       s * bf16_high(d[b].w));
-          }
+  // Steps 3 and 4. One thread per (slot, token) where the warps' partial dot products meet.
+  const int pair_slot = threadIdx.x % kMaxSlots, pair_token = threadIdx.x / kMaxSlots;
+  const bool lane_neuron_exists = lane < kTileNeurons && first_neuron + lane < p.hidden;
+  const uint32_t lane_predicted = lane < kTileNeurons ? predicted[lane] : 0u;
+  const uint32_t gated = __ballot_sync(0xffffffffu, lane_predicted != 0u || (p.count_missed && lane_neuron_exists));
+  const bool gated_ffn = p.up != nullptr;
+  // For a gated FFN with few gated neurons, their up and down rows come with the gate rows: one round
+  // trip instead of two for the blocks with active neurons, at the price of rows of neurons whose gate
+  // turns out <= 0.
+  const int gated_count = __popc(gated);
+  unsigned long long zeroed = 0;
+  if (gated != 0u && gated_ffn && !p.count_missed && 3 * gated_count <= p.shared.slots) {
+    if (threadIdx.x == 0) zeroed = load_acquire(&p.sync->zeroed);  // read early, spun on below
+    stage_rows(p, p.projection, gated, 0, slots, first_neuron, first_word, lane);
+    stage_rows(p, p.up, gated, gated_count, slots, first_neuron, first_word, lane);
+    stage_rows(p, p.down, gated, 2 * gated_count, slots, first_neuron, first_word, lane);
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    __syncwarp();
+    slot_dots<kTokenTiles>(p, slots, 2 * gated_count, first_word, end_word, lane, warp_dots);
+    __syncthreads();
+    if (pair_slot < gated_count && pair_token < p.rows) {
+      const int n = nth_bit(gated, pair_slot);
+      if ((predicted[n] >> pair_token) & 1u) {
+        const float g = dot_of(pair_slot, pair_token);
+        if (g > 0.0f) {
+          coefficient[n][pair_token] = g * dot_of(gated_count + pair_slot, pair_token);
+          atomicOr(&active[n], 1u << pair_token);
+          atomicAdd(&active_count, 1u);
         }
       }
     }
-  }
-  if (lane == 0 && (active_count | missed_count) != 0) {
-    atomicAdd(&block_counts.active, active_count);
-    atomicAdd(&block_counts.missed, missed_count);
+    if (threadIdx.x == 0)
+      while (zeroed <= call) zeroed = load_acquire(&p.sync->zeroed);
+    __syncthreads();
+    add_down_rows<kTokens>(p, slots, 2 * gated_count, gated, active, coefficient, first_word, lane);
+  } else if (gated != 0u) {
+    for (uint32_t rest = gated; rest != 0u;) {
+      const uint32_t batch = lowest_bits(rest, p.shared.slots);
+      rest &= ~batch;
+      const int count = __popc(batch);
+      stage_rows(p, p.projection, batch, 0, slots, first_neuron, first_word, lane);
+      asm volatile("cp.async.wait_all;" ::: "memory");
+      __syncwarp();
+      slot_dots<kTokenTiles>(p, slots, count, first_word, end_word, lane, warp_dots);
+      __syncthreads();
+      if (pair_slot < count && pair_token < p.rows) {
+        const int n = nth_bit(batch, pair_slot);
+        const bool pair_is_predicted = (predicted[n] >> pair_token) & 1u;
+        if (pair_is_predicted || p.count_missed) {
+          const float g = dot_of(pair_slot, pair_token);
+          gate_value[n][pair_token] = g;
+          if (g > 0.0f && pair_is_predicted) {
+            atomicOr(&active[n], 1u << pair_token);
+            atomicAdd(&active_count, 1u);
+          } else if (g > 0.0f) {
+            atomicAdd(&missed_count, 1u);
+          }
+        }
+      }
+      __syncthreads();
+    }
+    const uint32_t active_neurons = __ballot_sync(0xffffffffu, lane < kTileNeurons && active[lane] != 0u);
+    if (active_neurons != 0u && threadIdx.x == 0) zeroed = load_acquire(&p.sync->zeroed);
+    const int per_round = gated_ffn ? p.shared.slots / 2 : p.shared.slots;
+    for (uint32_t rest = active_neurons; rest != 0u;) {
+      const uint32_t batch = lowest_bits(rest, per_round);
+      rest &= ~batch;
+      const int count = __popc(batch);
+      if (gated_ffn) stage_rows(p, p.up, batch, 0, slots, first_neuron, first_word, lane);
+      stage_rows(p, p.down, batch, gated_ffn ? count : 0, slots, first_neuron, first_word, lane);
+      asm volatile("cp.async.wait_all;" ::: "memory");
+      __syncwarp();
+      if (gated_ffn) {
+        slot_dots<kTokenTiles>(p, slots, count, first_word, end_word, lane, warp_dots);
+        __syncthreads();
+      }
+      if (pair_slot < count && pair_token < p.rows) {
+        const int n = nth_bit(batch, pair_slot);
+        if ((active[n] >> pair_token) & 1u) {
+          // Non-gated: the coefficient is relu(x·up[j]) itself.
+          const float u = gated_ffn ? dot_of(pair_slot, pair_token) : 1.0f;
+          coefficient[n][pair_token] = gate_value[n][pair_token] * u;
+        }
+      }
+      if (threadIdx.x == 0)
+        while (zeroed <= call) zeroed = load_acquire(&p.sync->zeroed);
+      __syncthreads();
+      add_down_rows<kTokens>(p, slots, gated_ffn ? count : 0, batch, active, coefficient, first_word, lane);
+      if (rest != 0u) __syncthreads();  // the next round rewrites partial_dots and coefficient
+    }
   }
 
-  // Step 4: every thread's reductions are visible before its block's ticket is taken.
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
+  if (threadIdx.x == 0 && (predicted_pairs | active_count | missed_count) != 0) {
     Counters& slot = p.counters[blockIdx.x];  // this block's own: plain read-modify-write
-    slot.predicted += block_counts.predicted;
-    slot.active += block_counts.active;
-    slot.missed += block_counts.missed;
-    last_block = atomicAdd(p.finished_blocks, 1u) == gridDim.x - 1;
+    slot.predicted += static_cast<unsigned long long>(predicted_pairs);
+    slot.active += active_count;
+    slot.missed += missed_count;
   }
-  __syncthreads();
-  if (!last_block) return;
-  __threadfence();
-  float4* sums = reinterpret_cast<float4*>(p.accumulator);
-  float4* y = reinterpret_cast<float4*>(p.y);
-  const int vectors = p.rows * p.cols / 4;
-  // kCopyBatch loads in flight per thread: one block moves up to 128 KB (M = 16, D = 2048), and one
-  // L2 round trip per float4 would make this tail longer than the rest of the kernel.
-  constexpr int kCopyBatch = 8;
-  for (int first = threadIdx.x; first < vectors; first += kThreads * kCopyBatch) {
-    float4 values[kCopyBatch];
-#pragma unroll
-    for (int b = 0; b < kCopyBatch; ++b)
-      if (first + b * kThreads < vectors) values[b] = __ldcg(sums + first + b * kThreads);
-#pragma unroll
-    for (int b = 0; b < kCopyBatch; ++b)
-      if (first + b * kThreads < vectors) {
-        y[first + b * kThreads] = values[b];
-        __stcg(sums + first + b * kThreads, make_float4(0.0f, 0.0f, 0.0f, 0.0f));
-      }
-  }
-  if (threadIdx.x == 0) *p.finished_blocks = 0u;
 }
 
 template <PredictorKind kKind>
-void launch(const DecodeParams& p, int tiles, size_t shared, cudaStream_t stream) {
+void launch(const DecodeParams& p, int tiles, cudaStream_t stream) {
   if (p.rows > kTokenTile)
-    decode_ffn_kernel<kKind, 2><<<tiles, kThreads, shared, stream>>>(p);
+    decode_ffn_kernel<kKind, 2><<<tiles, kThreads, p.shared.bytes(), stream>>>(p);
   else
-    decode_ffn_kernel<kKind, 1><<<tiles, kThreads, shared, stream>>>(p);
+    decode_ffn_kernel<kKind, 1><<<tiles, kThreads, p.shared.bytes(), stream>>>(p);
 }
 
 // Lets both kernels of a kind take `shared` bytes of dynamic shared memory (beyond the default 48 KiB
@@ -504,18 +637,50 @@ void allow_shared(size_t shared) {
                                         static_cast<int>(shared)));
 }
 
+// The layout for `planes` planes and `tokens` tokens per token tile set, D split in words_per_part
+// words per warp.
+SharedLayout shared_layout(int planes, int tokens, int32_t words, int32_t words_per_part) {
+  SharedLayout s{};
+  s.partial_scores = planes * words * 64;
+  s.squares = s.partial_scores + kParts * planes * kTileNeurons * tokens * 4;
+  s.step_one_end = s.squares + kParts * tokens * 4;
+  s.slot_stride = words_per_part * kPiecesPerWord * 16 + 16;  // + 16: the 8 slots an mma reads hit distinct banks
+  const int dots_bytes = kParts * kMaxSlots * tokens * 4;
+  s.slots = std::clamp((kSharedTarget - dots_bytes) / (kParts * s.slot_stride), 2, kMaxSlots);
+  s.partial_dots = kParts * s.slots * s.slot_stride;
+  s.step_three_end = s.partial_dots + dots_bytes;
+  return s;
+}
+
+// The exact weights minus the term the planes already count at that column: W[j, c] − scale_j·sign,
+// sign = −1 where the sign bit is set, else +1 (scale: the one-bit gates' scale or the two-bit gate's
+// small_scale, whose plane takes the sign bit of every column).
+std::vector<float> exact_weights_without_sign_term(const SignBits& signs, const std::vector<float>& scale) {
+  const size_t count = signs.exact_columns.size();
+  const int32_t words = signs.words_per_row();
+  std::vector<float> weights(signs.exact_weights.size());
+  for (int32_t j = 0; j < signs.rows; ++j)
+    for (size_t c = 0; c < count; ++c) {
+      const int32_t column = signs.exact_columns[c];
+      const bool negative = (signs.bits[static_cast<size_t>(j) * words + column / kSignBitsPerWord] >>
+                             (column % kSignBitsPerWord)) & 1u;
+      const size_t at = static_cast<size_t>(j) * count + c;
+      weights[at] = signs.exact_weights[at] - (negative ? -scale[j] : scale[j]);
+    }
+  return weights;
+}
+
 }  // namespace
 
 struct DecodeLayer::Impl {
   const DeviceFfnWeights* weights;
-  int32_t words = 0;
+  int32_t words = 0, words_per_part = 0;
   int32_t tiles = 0;
   DeviceBuffer<uint32_t> sign_tiles, large_tiles;  // tiled_plane of bits and large
   DeviceBuffer<float> scale, residual, small_scale, large_scale, two_bit_residual;  // [H] each
-  DeviceBuffer<float> exact_weights;  // [H, c]
+  DeviceBuffer<float> one_bit_exact_weights, two_bit_exact_weights;  // [H, c]: exact_weights_without_sign_term
   std::vector<int32_t> exact_columns;
-  DeviceBuffer<float> accumulator;    // [kDecodeMaxRows, D]
-  DeviceBuffer<unsigned int> finished_blocks;
+  DeviceBuffer<CallSync> sync;
   DeviceBuffer<Counters> counters;    // [tiles]
   mutable bool all_counted_missed = true;  // every run since the last stats() counted misses
 };
@@ -537,11 +702,15 @@ DecodeLayer::DecodeLayer(const DeviceFfnWeights& weights, const SignBits& signs)
   Impl& s = *impl_;
   s.weights = &weights;
   s.words = signs.words_per_row();
+  s.words_per_part = (s.words + kParts - 1) / kParts;
   s.tiles = (hidden + kTileNeurons - 1) / kTileNeurons;
-  const size_t shared = static_cast<size_t>(2) * s.words * 8 * sizeof(uint2);
-  TWELL_REQUIRE(shared <= static_cast<size_t>(device_facts().max_smem_per_block_optin) - 24 * 1024,
-                "decode on CUDA: D = {} needs {} bytes of shared memory for the sign planes of 16 neurons, more than "
-                "this GPU gives a block",
+  // The most any launch takes: two planes, and one or two token tiles (the slots fill what step 1 leaves).
+  const size_t shared =
+      static_cast<size_t>(std::max(shared_layout(2, kTokenTile, s.words, s.words_per_part).bytes(),
+                                   shared_layout(2, 2 * kTokenTile, s.words, s.words_per_part).bytes()));
+  TWELL_REQUIRE(shared <= static_cast<size_t>(device_facts().max_smem_per_block_optin) - 8 * 1024,
+                "decode on CUDA: D = {} needs {} bytes of shared memory for the sign planes and two rows of 16 "
+                "neurons, more than this GPU gives a block",
                 cols, shared);
   const std::vector<uint32_t> sign_tiles = tiled_plane(signs.bits, hidden, s.words);
   const std::vector<uint32_t> large_tiles = tiled_plane(signs.large, hidden, s.words);
@@ -553,11 +722,14 @@ DecodeLayer::DecodeLayer(const DeviceFfnWeights& weights, const SignBits& signs)
   s.large_scale.upload(signs.large_scale.data(), h);
   s.two_bit_residual.upload(signs.two_bit_residual.data(), h);
   s.exact_columns = signs.exact_columns;
-  if (exact_count > 0) s.exact_weights.upload(signs.exact_weights.data(), signs.exact_weights.size());
-  s.accumulator.resize(static_cast<size_t>(kDecodeMaxRows) * cols);
-  TWELL_CUDA_CHECK(cudaMemset(s.accumulator.data(), 0, s.accumulator.bytes()));
-  s.finished_blocks.resize(1);
-  TWELL_CUDA_CHECK(cudaMemset(s.finished_blocks.data(), 0, sizeof(unsigned int)));
+  if (exact_count > 0) {
+    const std::vector<float> one_bit = exact_weights_without_sign_term(signs, signs.scale);
+    const std::vector<float> two_bit = exact_weights_without_sign_term(signs, signs.small_scale);
+    s.one_bit_exact_weights.upload(one_bit.data(), one_bit.size());
+    s.two_bit_exact_weights.upload(two_bit.data(), two_bit.size());
+  }
+  s.sync.resize(1);
+  TWELL_CUDA_CHECK(cudaMemset(s.sync.data(), 0, sizeof(CallSync)));
   s.counters.resize(s.tiles);
   TWELL_CUDA_CHECK(cudaMemset(s.counters.data(), 0, s.counters.bytes()));
   allow_shared<PredictorKind::sign_rule>(shared);
@@ -582,36 +754,37 @@ void DecodeLayer::run(const bf16* x, int64_t rows, const PredictorConfig& predic
   p.projection = w.relu_projection();
   p.up = w.gated ? w.up.get() : nullptr;
   p.down = w.down.get();
-  p.sign_tiles = reinterpret_cast<const uint2*>(s.sign_tiles.data());
-  p.large_tiles = reinterpret_cast<const uint2*>(s.large_tiles.data());
+  p.sign_tiles = s.sign_tiles.data();
+  p.large_tiles = s.large_tiles.data();
   p.scale = two_bit ? s.small_scale.data() : s.scale.data();
   p.large_scale = s.large_scale.data();
   p.residual = two_bit ? s.two_bit_residual.data() : s.residual.data();
-  p.exact_weights = s.exact_weights.data();
+  p.exact_weights = two_bit ? s.two_bit_exact_weights.data() : s.one_bit_exact_weights.data();
   p.exact_count = static_cast<int32_t>(s.exact_columns.size());
   for (int32_t c = 0; c < p.exact_count; ++c) p.exact_columns[c] = s.exact_columns[c];
-  p.accumulator = s.accumulator.data();
   p.y = y;
-  p.finished_blocks = s.finished_blocks.data();
+  p.sync = s.sync.data();
   p.counters = s.counters.data();
   p.rows = static_cast<int32_t>(rows);
   p.cols = w.d_model;
   p.hidden = w.d_hidden;
   p.words = s.words;
+  p.words_per_part = s.words_per_part;
+  p.shared = shared_layout(planes_of(predictor.kind), rows > kTokenTile ? 2 * kTokenTile : kTokenTile, s.words,
+                           s.words_per_part);
   p.max_negatives =
       predictor.kind == PredictorKind::sign_rule ? sign_rule_max_negatives(predictor.alpha, w.d_model) : 0;
   p.min_score = static_cast<float>(-predictor.margin);
   p.count_missed = options.count_missed;
   impl_->all_counted_missed = impl_->all_counted_missed && options.count_missed;
 
-  const size_t shared = static_cast<size_t>(planes_of(predictor.kind)) * s.words * 8 * sizeof(uint2);
   switch (predictor.kind) {
-    case PredictorKind::sign_rule: launch<PredictorKind::sign_rule>(p, s.tiles, shared, stream); break;
-    case PredictorKind::one_bit_gate: launch<PredictorKind::one_bit_gate>(p, s.tiles, shared, stream); break;
+    case PredictorKind::sign_rule: launch<PredictorKind::sign_rule>(p, s.tiles, stream); break;
+    case PredictorKind::one_bit_gate: launch<PredictorKind::one_bit_gate>(p, s.tiles, stream); break;
     case PredictorKind::normalized_one_bit_gate:
-      launch<PredictorKind::normalized_one_bit_gate>(p, s.tiles, shared, stream);
+      launch<PredictorKind::normalized_one_bit_gate>(p, s.tiles, stream);
       break;
-    case PredictorKind::two_bit_gate: launch<PredictorKind::two_bit_gate>(p, s.tiles, shared, stream); break;
+    case PredictorKind::two_bit_gate: launch<PredictorKind::two_bit_gate>(p, s.tiles, stream); break;
   }
   TWELL_CUDA_CHECK_LAUNCH();
 }
