@@ -279,9 +279,11 @@ TEST_P(PredictorScoresTest, CountsAndScoresMatchReference) {
       cpu::negative_sign_products(work.x.data(), rows, signs, counts.data());
       EXPECT_EQ(counts, ref::negative_sign_products(x_signs, signs)) << "the sign rule reads every column";
 
+      // The gates sum x quantized (cpu::gate_inputs): the reference gets the same inputs.
+      const std::vector<float> seen = cpu::gate_inputs(work.x.data(), rows, signs);
       std::vector<float> scores(counts.size(), std::numeric_limits<float>::quiet_NaN());
       cpu::one_bit_gate(work.x.data(), rows, signs, scores.data());
-      const std::vector<double> expected = ref::one_bit_gate(work.x.data(), rows, signs);
+      const std::vector<double> expected = ref::one_bit_gate(seen.data(), rows, signs);
       for (int m = 0; m < rows; ++m) {
         // Σ|x| is the natural scale of the rounding error of Σ ±x.
         const RowScales row = approximated_row_scales(work.x.data() + m * cols, cols, exact_columns);
@@ -303,7 +305,7 @@ TEST_P(PredictorScoresTest, CountsAndScoresMatchReference) {
         SCOPED_TRACE(name);
         std::vector<float> z(counts.size(), std::numeric_limits<float>::quiet_NaN());
         scores_of(work.x.data(), rows, signs, z.data());
-        const std::vector<double> expected_z = reference(work.x.data(), rows, signs);
+        const std::vector<double> expected_z = reference(seen.data(), rows, signs);
         for (int m = 0; m < rows; ++m) {
           const RowScales row = approximated_row_scales(work.x.data() + m * cols, cols, exact_columns);
           for (int j = 0; j < hidden; ++j) {
@@ -323,6 +325,76 @@ TEST_P(PredictorScoresTest, CountsAndScoresMatchReference) {
       expect_normalized("two-bit-norm", cpu::two_bit_gate, ref::two_bit_gate, signs.two_bit_residual,
                         [&](int j) { return signs.small_scale[j] + 3 * signs.large_scale[j]; });
     }
+}
+
+// What the CPU gates see (decode.h): per token, x over the approximated columns rounded to the
+// nearest multiple of a power-of-two step with at most kGateInputLevels steps in the largest |x|, the
+// exact columns untouched; a zero token stays zero, a non-finite one is refused.
+TEST(DecodeGateInputs, AreXQuantizedPerToken) {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal;
+  for (auto [rows, cols] : {std::pair{1, 1}, std::pair{3, 100}, std::pair{4, 2048}})
+    for (const std::vector<int32_t>& exact_columns : {std::vector<int32_t>{}, std::vector<int32_t>{0}}) {
+      if (static_cast<int32_t>(exact_columns.size()) >= cols) continue;
+      SCOPED_TRACE(testing::Message() << "M " << rows << " D " << cols << " exact columns " << exact_columns.size());
+      std::vector<float> x(static_cast<size_t>(rows) * cols);
+      for (float& v : x) v = normal(rng);
+      for (float& v : x) v *= 1e-3f;
+      // Row scales from tiny to large, an outlier in an exact column, a zero row.
+      for (int32_t k = 0; k < cols; ++k) {
+        x[k] *= 1e-39f;  // subnormal: the smallest step
+        if (rows > 1) x[cols + k] *= 1e6f;
+        if (rows > 3) x[3 * cols + k] = 0.0f;
+      }
+      if (!exact_columns.empty() && rows > 2) x[2 * cols] = 1e4f;
+      SignBits signs;
+      signs.rows = 0;
+      signs.cols = cols;
+      signs.exact_columns = exact_columns;
+      const std::vector<float> seen = cpu::gate_inputs(x.data(), rows, signs);
+      ASSERT_EQ(seen.size(), x.size());
+      for (int m = 0; m < rows; ++m) {
+        const float* x_row = x.data() + static_cast<size_t>(m) * cols;
+        const float* seen_row = seen.data() + static_cast<size_t>(m) * cols;
+        const auto exact = [&](int32_t k) {
+          return std::find(exact_columns.begin(), exact_columns.end(), k) != exact_columns.end();
+        };
+        double largest = 0, largest_seen = 0;
+        for (int32_t k = 0; k < cols; ++k)
+          if (!exact(k)) {
+            largest = std::max(largest, std::abs(static_cast<double>(x_row[k])));
+            largest_seen = std::max(largest_seen, std::abs(static_cast<double>(seen_row[k])));
+          }
+        for (int32_t k = 0; k < cols; ++k) {
+          if (exact(k)) {
+            EXPECT_EQ(seen_row[k], x_row[k]) << "exact columns are not quantized";
+            continue;
+          }
+          EXPECT_LE(std::abs(static_cast<double>(seen_row[k]) - x_row[k]), largest / cpu::kGateInputLevels)
+              << "row " << m << " column " << k;
+        }
+        if (largest_seen == 0) continue;  // a zero row (checked by the bound above)
+        // seen = step·q with 1024 <= max |q| <= 2047 (the smallest power-of-two step allowing
+        // kGateInputLevels): the step is 2^(e − 11) for the exponent e of the largest seen value;
+        // only the smallest float step may leave fewer levels.
+        int exponent;
+        std::frexp(largest_seen, &exponent);
+        const double step = std::ldexp(1.0, std::max(exponent - 11, -149));
+        for (int32_t k = 0; k < cols; ++k)
+          if (!exact(k)) {
+            const double q = seen_row[k] / step;
+            EXPECT_EQ(q, std::round(q)) << "row " << m << " column " << k << ": not a multiple of the step";
+            EXPECT_LE(std::abs(q), cpu::kGateInputLevels);
+          }
+        if (step > std::ldexp(1.0, -149)) EXPECT_GE(largest_seen / step, 1024.0);
+      }
+    }
+  SignBits signs;
+  signs.cols = 3;
+  const float bad[3] = {1.0f, std::numeric_limits<float>::quiet_NaN(), 2.0f};
+  EXPECT_THROW(cpu::gate_inputs(bad, 1, signs), Error);
+  const float infinite[3] = {1.0f, -std::numeric_limits<float>::infinity(), 2.0f};
+  EXPECT_THROW(cpu::gate_inputs(infinite, 1, signs), Error);
 }
 
 // The predictors score a block of up to kDecodeMaxRows tokens in one pass over each neuron's bit

@@ -34,7 +34,8 @@
 // meets W[j, 0] = −t_j; an LLM's "massive activation" channels), the bits cannot see it, and keeping it
 // exact shrinks the kept set several fold at the same recall. The sign rule ignores them.
 // Each is a per-layer setting, chosen by calibrate_predictor for a target recall. On the CPU every
-// predictor scores all M tokens of a step in one pass over each neuron's bit words.
+// predictor scores all M tokens of a step in one pass over each neuron's bit words, and the gates
+// sum x quantized per token (cpu::gate_inputs below; the CUDA kernel sums x in bf16).
 //
 // The CUDA decode FFN is in twell/decode_cuda.h.
 //
@@ -147,6 +148,18 @@ SignBits pack_sign_bits_for_samples(const float* x, int64_t rows, const FfnWeigh
 
 namespace twell::cpu {
 
+// The CPU gates see each token's x quantized over the approximated columns: x_k -> step·q_k,
+// q_k = round-to-nearest-even(x_k / step), step = the smallest power of two (>= the smallest float)
+// with max_k |x_k| / step <= kGateInputLevels; exact columns keep x_k. So |x_k − step·q_k| <= step/2
+// < max_k |x_k| / 2047 (11 bits, against bf16's 8 in the CUDA kernel's x), the gates' masked sums are
+// exact sums of 16-bit integers (32 columns per AVX-512 add, and a score depends neither on M, nor
+// on the ISA, nor on a summation order), and step·q_k is a float, so a float64 reference fed these
+// inputs gives the same scores up to the final roundings. Outlier channels coarsen every other
+// column's step: exact columns are the place for them. The sign rule reads x's signs unquantized.
+inline constexpr int32_t kGateInputLevels = 2047;
+// x [M, D] as the CPU gates see it: [M, D] (for tests and the quality tools).
+std::vector<float> gate_inputs(const float* x, int64_t rows, const SignBits& signs);
+
 // The predictor's raw scores, for tests and calibration. x [M, D], signs packed from W [H, D].
 void negative_sign_products(const float* x, int64_t rows, const SignBits& signs, int32_t* counts);  // [M, H]
 void one_bit_gate(const float* x, int64_t rows, const SignBits& signs, float* scores);               // [M, H]
@@ -155,11 +168,12 @@ void two_bit_gate(const float* x, int64_t rows, const SignBits& signs, float* sc
 
 // Buffers reused across calls (grown, never shrunk); a call allocates only to grow them.
 struct DecodeScratch {
-  std::vector<float> x_padded;      // [M, 32·words] x with zeros past D and at the exact columns
-  std::vector<float> x_exact;       // [M, c] x at the signs' exact columns
-  std::vector<uint32_t> x_signs;    // [M, words]
-  std::vector<float> row_sums;      // [M] Σ_k x[m, k] over the approximated columns
-  std::vector<float> row_norms;     // [M] ||x[m, :]||₂ over the approximated columns
+  std::vector<int16_t> x_quantized;  // [M, 32·words] q (gate_inputs), zero past D and at the exact columns
+  std::vector<float> steps;          // [M] the step of each row's q
+  std::vector<int32_t> row_sums;     // [M] Σ_k q[m, k]
+  std::vector<float> row_norms;      // [M] ||step·q[m, :]||₂
+  std::vector<float> x_exact;        // [M, c] x at the signs' exact columns
+  std::vector<uint32_t> x_signs;     // [M, words]
   struct ActiveNeuron {
     int32_t row;
     int32_t neuron;

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "decode_kernels.h"
 #include "kernels.h"
@@ -35,31 +36,74 @@ const DecodeKernelTable& active_decode_kernels() {
 
 namespace {
 
-// x [M, D] -> x_padded [M, 32·words] (zeros past D and at the exact columns, so the masked sums
-// cover the approximated columns only), its row sums and norms (over the same columns), x at the
-// exact columns [M, c], and, when asked, its sign bits [M, words] in the sign-bits format (bit set
-// iff x < 0, so -0.0 packs as 0; every column, as the sign rule reads them).
+// The power-of-two step of gate_inputs for a row whose largest |x| over the approximated columns
+// is `largest` (finite).
+float gate_input_step(float largest) {
+  if (!(largest > 0.0f)) return 1.0f;  // every q is 0
+  int exponent;
+  std::frexp(largest, &exponent);  // largest in [2^(exponent−1), 2^exponent)
+  // 2^(exponent − 11) puts largest / step in [1024, 2048); one more step when it lands above 2047.
+  float step = std::ldexp(1.0f, std::max(exponent - 11, std::numeric_limits<float>::min_exponent - 24));
+  if (largest / step > static_cast<float>(kGateInputLevels)) step *= 2.0f;
+  return step;
+}
+
+// x [M, D] -> x_quantized [M, 32·words] (gate_inputs' q, zeros past D and at the exact columns, so the
+// masked sums cover the approximated columns only), the steps, q's row sums, the norms of step·q, x
+// at the exact columns [M, c], and, when asked, x's sign bits [M, words] in the sign-bits format (bit
+// set iff x < 0, so -0.0 packs as 0; every column, as the sign rule reads them).
 void prepare_rows(const float* x, int64_t rows, const SignBits& signs, bool pack_signs, DecodeScratch& scratch) {
   const int32_t cols = signs.cols, words = signs.words_per_row();
   const int32_t padded = words * kSignBitsPerWord;
   const size_t exact_count = signs.exact_columns.size();
-  scratch.x_padded.assign(static_cast<size_t>(rows) * padded, 0.0f);
+  scratch.x_quantized.assign(static_cast<size_t>(rows) * padded, 0);
   scratch.x_exact.resize(static_cast<size_t>(rows) * exact_count);
-  scratch.row_sums.assign(rows, 0.0f);
-  scratch.row_norms.assign(rows, 0.0f);
+  scratch.steps.resize(rows);
+  scratch.row_sums.resize(rows);
+  scratch.row_norms.resize(rows);
   for (int64_t m = 0; m < rows; ++m) {
-    float* x_row = scratch.x_padded.data() + m * padded;  // [32·words]
-    std::copy_n(x + m * cols, cols, x_row);
-    for (size_t c = 0; c < exact_count; ++c) {
-      scratch.x_exact[m * exact_count + c] = x_row[signs.exact_columns[c]];
-      x_row[signs.exact_columns[c]] = 0.0f;
-    }
-    float square_sum = 0.0f;
+    const float* x_row = x + m * cols;  // [D]
+    float largest = 0.0f;
+    bool finite = true;
     for (int32_t k = 0; k < cols; ++k) {
-      scratch.row_sums[m] += x_row[k];
-      square_sum += x_row[k] * x_row[k];
+      finite &= std::isfinite(x_row[k]);
+      largest = std::max(largest, std::abs(x_row[k]));
     }
-    scratch.row_norms[m] = std::sqrt(square_sum);
+    TWELL_REQUIRE(finite, "x must be finite: row {} of the decode input holds a NaN or infinity", m);
+    for (size_t c = 0; c < exact_count; ++c) scratch.x_exact[m * exact_count + c] = x_row[signs.exact_columns[c]];
+    // The largest |x| over the approximated columns: recomputed only when an exact column may hold it.
+    if (exact_count > 0) {
+      largest = 0.0f;
+      for (int32_t k = 0, next = 0; k < cols; ++k) {
+        if (next < static_cast<int32_t>(exact_count) && signs.exact_columns[next] == k) {
+          ++next;
+          continue;
+        }
+        largest = std::max(largest, std::abs(x_row[k]));
+      }
+    }
+    const float step = gate_input_step(largest);
+    const double inverse = 1.0 / step;  // exact: a power of two (in double even for the smallest step)
+    int16_t* q_row = scratch.x_quantized.data() + m * padded;  // [32·words]
+    int32_t sum = 0;
+    int64_t square_sum = 0;
+    for (int32_t k = 0; k < cols; ++k) {
+      // Round to nearest even by adding and removing 1.5·2^52 (|x/step| <= 2047), which unlike
+      // std::nearbyint needs no library call and vectorizes.
+      constexpr double kRound = 6755399441055744.0;
+      const int32_t q = static_cast<int32_t>((x_row[k] * inverse + kRound) - kRound);
+      q_row[k] = static_cast<int16_t>(q);
+      sum += q;
+      square_sum += static_cast<int64_t>(q) * q;
+    }
+    for (int32_t column : signs.exact_columns) {
+      sum -= q_row[column];
+      square_sum -= static_cast<int64_t>(q_row[column]) * q_row[column];
+      q_row[column] = 0;
+    }
+    scratch.steps[m] = step;
+    scratch.row_sums[m] = sum;
+    scratch.row_norms[m] = static_cast<float>(step * std::sqrt(static_cast<double>(square_sum)));
   }
   if (!pack_signs) return;
   scratch.x_signs.assign(static_cast<size_t>(rows) * words, 0u);
@@ -79,9 +123,10 @@ class BlockPredictor {
         exact_count_(static_cast<int32_t>(signs.exact_columns.size())),
         rows_(rows),
         kernels_(active_decode_kernels()) {
-    x_padded_ = scratch.x_padded.data() + first_row * words_ * kSignBitsPerWord;
+    x_quantized_ = scratch.x_quantized.data() + first_row * words_ * kSignBitsPerWord;
     x_exact_ = scratch.x_exact.data() + first_row * exact_count_;
     if (!scratch.x_signs.empty()) x_signs_ = scratch.x_signs.data() + first_row * words_;
+    steps_ = scratch.steps.data() + first_row;
     row_sums_ = scratch.row_sums.data() + first_row;
     row_norms_ = scratch.row_norms.data() + first_row;
   }
@@ -89,11 +134,13 @@ class BlockPredictor {
   void negative_counts(int32_t neuron, int32_t* counts) const {
     kernels_.negative_counts(x_signs_, rows_, neuron_bits(neuron), words_, counts);
   }
-  // s = scale·(Σx − 2·Σ_{bit set} x) = scale·Σ x·sign(W), plus the exact columns' part.
+  // s = scale·step·(Σq − 2·Σ_{bit set} q) = scale·Σ x·sign(W) over the quantized x, plus the exact
+  // columns' part.
   void one_bit_gate(int32_t neuron, float* scores) const {
-    float negative[kDecodeMaxRows];
-    kernels_.masked_sums(x_padded_, rows_, neuron_bits(neuron), nullptr, words_, negative);
-    for (int32_t m = 0; m < rows_; ++m) scores[m] = signs_.scale[neuron] * (row_sums_[m] - 2.0f * negative[m]);
+    int32_t negative[kDecodeMaxRows];
+    kernels_.masked_sums(x_quantized_, rows_, neuron_bits(neuron), nullptr, words_, negative);
+    for (int32_t m = 0; m < rows_; ++m)
+      scores[m] = signs_.scale[neuron] * quantized_sum(m, row_sums_[m] - 2 * static_cast<int64_t>(negative[m]));
     add_exact_part(neuron, scores);
   }
   void normalized_one_bit_gate(int32_t neuron, float* scores) const {
@@ -102,13 +149,13 @@ class BlockPredictor {
   }
   // x·(sign·(small + (large − small)·L)) = small·(Σx − 2·Σ_neg x) + (large − small)·(Σ_L x − 2·Σ_{L∧neg} x).
   void two_bit_gate(int32_t neuron, float* scores) const {
-    float sums[3 * kDecodeMaxRows];  // [plane][row]: sign, large, large AND sign
-    kernels_.masked_sums(x_padded_, rows_, neuron_bits(neuron),
+    int32_t sums[3 * kDecodeMaxRows];  // [plane][row]: sign, large, large AND sign
+    kernels_.masked_sums(x_quantized_, rows_, neuron_bits(neuron),
                          signs_.large.data() + static_cast<size_t>(neuron) * words_, words_, sums);
     const float small = signs_.small_scale[neuron], large = signs_.large_scale[neuron];
     for (int32_t m = 0; m < rows_; ++m) {
-      const float signed_sum = row_sums_[m] - 2.0f * sums[m];
-      const float large_signed_sum = sums[rows_ + m] - 2.0f * sums[2 * rows_ + m];
+      const float signed_sum = quantized_sum(m, row_sums_[m] - 2 * static_cast<int64_t>(sums[m]));
+      const float large_signed_sum = quantized_sum(m, sums[rows_ + m] - 2 * static_cast<int64_t>(sums[2 * rows_ + m]));
       scores[m] = small * signed_sum + (large - small) * large_signed_sum;
     }
     add_exact_part(neuron, scores);
@@ -134,6 +181,8 @@ class BlockPredictor {
   }
 
  private:
+  // step·sum of row m: exact (a power of two times an integer) while |sum| < 2^24, i.e. D < 8196.
+  float quantized_sum(int32_t m, int64_t sum) const { return steps_[m] * static_cast<float>(sum); }
   const uint32_t* neuron_bits(int32_t neuron) const { return signs_.bits.data() + static_cast<size_t>(neuron) * words_; }
   // scores[m] += Σ_c x[m, exact_columns[c]]·exact_weights[neuron, c] (nothing without exact columns).
   void add_exact_part(int32_t neuron, float* scores) const {
@@ -146,10 +195,11 @@ class BlockPredictor {
   int32_t exact_count_;
   int32_t rows_;
   const DecodeKernelTable& kernels_;
-  const float* x_padded_ = nullptr;
+  const int16_t* x_quantized_ = nullptr;
   const float* x_exact_ = nullptr;
   const uint32_t* x_signs_ = nullptr;
-  const float* row_sums_ = nullptr;
+  const float* steps_ = nullptr;
+  const int32_t* row_sums_ = nullptr;
   const float* row_norms_ = nullptr;
 };
 
@@ -173,6 +223,22 @@ void score_rows(const float* x, int64_t rows, const SignBits& signs, bool pack_s
 }
 
 }  // namespace
+
+std::vector<float> gate_inputs(const float* x, int64_t rows, const SignBits& signs) {
+  TWELL_REQUIRE(rows >= 1, "rows (M) must be >= 1, got {}", rows);
+  validate_exact_columns(signs.exact_columns, signs.cols);
+  DecodeScratch scratch;
+  prepare_rows(x, rows, signs, false, scratch);
+  const int32_t cols = signs.cols, padded = signs.words_per_row() * kSignBitsPerWord;
+  std::vector<float> seen(static_cast<size_t>(rows) * cols);
+  for (int64_t m = 0; m < rows; ++m)
+    for (int32_t k = 0; k < cols; ++k)
+      seen[m * cols + k] = scratch.steps[m] * scratch.x_quantized[m * padded + k];
+  for (int64_t m = 0; m < rows; ++m)
+    for (size_t c = 0; c < signs.exact_columns.size(); ++c)
+      seen[m * cols + signs.exact_columns[c]] = scratch.x_exact[m * signs.exact_columns.size() + c];
+  return seen;
+}
 
 void negative_sign_products(const float* x, int64_t rows, const SignBits& signs, int32_t* counts) {
   score_rows(x, rows, signs, true, &BlockPredictor::negative_counts, counts);

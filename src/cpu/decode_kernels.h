@@ -3,8 +3,9 @@
 // over packed sign bits live here. decode_ffn.cpp holds the blocking and threading once.
 //
 // Every loop scores up to kDecodeMaxRows tokens against one neuron in one pass over the neuron's
-// bit words: each word is loaded (and turned into lane masks) once for all rows. Each row keeps the
-// accumulators and summation order of a one-row call, so a row's score does not depend on M.
+// bit words: each word is loaded (and turned into lane masks) once for all rows. The gates' sums are
+// of x quantized to 16-bit integers (decode.h, gate_inputs): exact, so a row's score depends neither
+// on M nor on the ISA, and 32 columns fit one AVX-512 register.
 #pragma once
 
 #include <cstdint>
@@ -13,13 +14,15 @@
 namespace twell::cpu {
 
 struct DecodeKernelTable {
-  // For rows r < rows (1..kDecodeMaxRows), token r's x is x_padded + r·32·words (zero past the real
-  // columns; the padding bits are 0 as well, so the padded tail adds nothing either way).
+  // For rows r < rows (1..kDecodeMaxRows), token r's quantized x (decode.h, gate_inputs) is
+  // x_quantized + r·32·words, |values| <= kGateInputLevels, zero past the real columns and at the
+  // exact columns (the padding bits are 0 as well, so the padded tail adds nothing either way).
   // large == nullptr: sums[r] = Σ x_r[k] over the set bits k of bits[0:words] (the sign plane).
   // Otherwise the two-bit gate's three sums: sums[r] as above, sums[rows + r] over the set bits of
   // large, sums[2·rows + r] over those of large AND bits (formed here, not stored).
-  void (*masked_sums)(const float* x_padded, int32_t rows, const uint32_t* bits, const uint32_t* large,
-                      int32_t words, float* sums);
+  // Integer sums, exact: every ISA and every grouping of rows gives the same values.
+  void (*masked_sums)(const int16_t* x_quantized, int32_t rows, const uint32_t* bits, const uint32_t* large,
+                      int32_t words, int32_t* sums);
   // counts[r] = popcount(x_signs_r XOR bits) over words, the sign rule's N_neg; x_signs_r = x_signs + r·words.
   void (*negative_counts)(const uint32_t* x_signs, int32_t rows, const uint32_t* bits, int32_t words,
                           int32_t* counts);
@@ -39,12 +42,12 @@ void for_each_row_group(int32_t rows, int32_t first_row, Block&& block) {
 // kOnePlaneRows rows (large == nullptr: one plane) or kThreePlaneRows rows (three planes), as many
 // as the ISA's registers hold accumulators for.
 template <typename Group, int kOnePlaneRows, int kThreePlaneRows>
-void masked_sums_in_groups(const float* x_padded, int32_t rows, const uint32_t* bits, const uint32_t* large,
-                           int32_t words, float* sums) {
+void masked_sums_in_groups(const int16_t* x_quantized, int32_t rows, const uint32_t* bits, const uint32_t* large,
+                           int32_t words, int32_t* sums) {
   const int32_t x_stride = 32 * words;
   const auto group_sums = [&](auto group, auto planes, int32_t row) {
-    Group::template run<decltype(group)::value, decltype(planes)::value>(x_padded + row * x_stride, x_stride, bits,
-                                                                          large, words, sums + row, rows);
+    Group::template run<decltype(group)::value, decltype(planes)::value>(x_quantized + row * x_stride, x_stride,
+                                                                          bits, large, words, sums + row, rows);
   };
   if (large == nullptr)
     for_each_row_group<kOnePlaneRows>(

@@ -2,8 +2,12 @@
 // after the includes, so no header code is compiled for AVX2 by accident.
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cstdint>
+
 #include "decode_kernels.h"
 #include "twell/decode.h"
+#include "twell/formats/sign_bits.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,popcnt")
@@ -11,43 +15,51 @@
 namespace twell::cpu {
 namespace {
 
-// Rows [0, kRows) of the group at x_padded; sums[p·sums_stride + r] for plane p. Lane i of byte b's
-// vector holds bit 8b+i of the word in its sign position (shift left by 31-(8b+i)); the selectors are
-// made once per word for all rows.
+// An int16 lane takes at most 2·kFlushWords values of |x| <= kGateInputLevels (one per 16-column
+// half of a word) before it is widened into the int32 totals, so it cannot overflow.
+constexpr int32_t kFlushWords = 8;
+static_assert(2 * kFlushWords * kGateInputLevels <= INT16_MAX, "int16 lanes must not overflow between flushes");
+
+// Rows [0, kRows) of the group at x_quantized; sums[p·sums_stride + r] for plane p. Each 16-bit half
+// of a word becomes a lane selector (lane i all ones iff bit i is set: broadcast, AND with 1 << i,
+// compare), once for all rows; x AND selector is added in 16-bit lanes.
 struct Avx2Sums {
   template <int kRows, int kPlanes>
-  static void run(const float* x_padded, int32_t x_stride, const uint32_t* bits, const uint32_t* large,
-                  int32_t words, float* sums, int32_t sums_stride) {
-    const __m256i shifts[4] = {_mm256_setr_epi32(31, 30, 29, 28, 27, 26, 25, 24),
-                               _mm256_setr_epi32(23, 22, 21, 20, 19, 18, 17, 16),
-                               _mm256_setr_epi32(15, 14, 13, 12, 11, 10, 9, 8),
-                               _mm256_setr_epi32(7, 6, 5, 4, 3, 2, 1, 0)};
-    __m256 acc[kPlanes][kRows][4];
-    for (auto& plane : acc)
-      for (auto& row : plane)
-        for (__m256& a : row) a = _mm256_setzero_ps();
-    for (int32_t w = 0; w < words; ++w) {
-      __m256i word[kPlanes];
-      for (int p = 0; p < kPlanes; ++p) word[p] = _mm256_set1_epi32(static_cast<int>(plane_word(p, bits, large, w)));
-      for (int b = 0; b < 4; ++b) {
-        // blendv reads only the sign bit of each lane of the selector.
-        __m256 selector[kPlanes];
-        for (int p = 0; p < kPlanes; ++p) selector[p] = _mm256_castsi256_ps(_mm256_sllv_epi32(word[p], shifts[b]));
-        for (int r = 0; r < kRows; ++r) {
-          const __m256 x = _mm256_loadu_ps(x_padded + r * x_stride + 32 * w + 8 * b);
-          for (int p = 0; p < kPlanes; ++p)
-            acc[p][r][b] = _mm256_add_ps(acc[p][r][b], _mm256_blendv_ps(_mm256_setzero_ps(), x, selector[p]));
+  static void run(const int16_t* x_quantized, int32_t x_stride, const uint32_t* bits, const uint32_t* large,
+                  int32_t words, int32_t* sums, int32_t sums_stride) {
+    const __m256i lane_bits = _mm256_setr_epi16(1 << 0, 1 << 1, 1 << 2, 1 << 3, 1 << 4, 1 << 5, 1 << 6, 1 << 7, 1 << 8,
+                                                1 << 9, 1 << 10, 1 << 11, 1 << 12, 1 << 13, 1 << 14, INT16_MIN);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i total[kPlanes][kRows];  // int32 lanes
+    for (auto& plane : total)
+      for (__m256i& t : plane) t = _mm256_setzero_si256();
+    for (int32_t first = 0; first < words; first += kFlushWords) {
+      const int32_t last = std::min(words, first + kFlushWords);
+      __m256i acc[kPlanes][kRows];  // int16 lanes
+      for (auto& plane : acc)
+        for (__m256i& a : plane) a = _mm256_setzero_si256();
+      for (int32_t w = first; w < last; ++w)
+        for (int half = 0; half < 2; ++half) {
+          __m256i selector[kPlanes];
+          for (int p = 0; p < kPlanes; ++p) {
+            const __m256i word = _mm256_set1_epi16(static_cast<int16_t>(plane_word(p, bits, large, w) >> (16 * half)));
+            selector[p] = _mm256_cmpeq_epi16(_mm256_and_si256(word, lane_bits), lane_bits);
+          }
+          for (int r = 0; r < kRows; ++r) {
+            const __m256i x = _mm256_loadu_si256(
+                reinterpret_cast<const __m256i*>(x_quantized + r * x_stride + kSignBitsPerWord * w + 16 * half));
+            for (int p = 0; p < kPlanes; ++p) acc[p][r] = _mm256_add_epi16(acc[p][r], _mm256_and_si256(selector[p], x));
+          }
         }
-      }
+      for (int p = 0; p < kPlanes; ++p)
+        for (int r = 0; r < kRows; ++r) total[p][r] = _mm256_add_epi32(total[p][r], _mm256_madd_epi16(acc[p][r], ones));
     }
     for (int p = 0; p < kPlanes; ++p)
       for (int r = 0; r < kRows; ++r) {
-        const __m256* a = acc[p][r];
-        const __m256 total = _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]));
-        __m128 half = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
-        half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-        half = _mm_add_ss(half, _mm_movehdup_ps(half));
-        sums[p * sums_stride + r] = _mm_cvtss_f32(half);
+        __m128i half = _mm_add_epi32(_mm256_castsi256_si128(total[p][r]), _mm256_extracti128_si256(total[p][r], 1));
+        half = _mm_add_epi32(half, _mm_unpackhi_epi64(half, half));
+        half = _mm_add_epi32(half, _mm_shuffle_epi32(half, 1));
+        sums[p * sums_stride + r] = _mm_cvtsi128_si32(half);
       }
   }
 };
@@ -72,8 +84,8 @@ void negative_counts(const uint32_t* x_signs, int32_t rows, const uint32_t* bits
 }  // namespace
 
 const DecodeKernelTable& avx2_decode_kernels() {
-  // 16 ymm registers: two rows of one plane (8 accumulators), or one row of three (12).
-  static constexpr DecodeKernelTable table{&masked_sums_in_groups<Avx2Sums, 2, 1>, &negative_counts};
+  // 16 ymm registers: four rows of one plane (8 accumulators), or one row of three (6, and 3 selectors).
+  static constexpr DecodeKernelTable table{&masked_sums_in_groups<Avx2Sums, 4, 1>, &negative_counts};
   return table;
 }
 

@@ -1,5 +1,5 @@
-// Decode predictor loops for AVX-512: the sign bits are used directly as lane masks (one masked add
-// per 16 columns) and XOR + VPOPCNTDQ counts 512 columns per instruction. The target attributes
+// Decode predictor loops for AVX-512: the sign bits are used directly as lane masks (one masked
+// 16-bit add per 32 columns) and XOR + VPOPCNTDQ counts 512 columns per instruction. The target attributes
 // apply to this file's functions only, after the includes.
 // GCC 12 warns inside its own AVX-512 headers when they are used under a target pragma
 // (_mm512_undefined_* is a self-initialised variable, GCC bug 105593); the pragma must come
@@ -9,8 +9,12 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cstdint>
+
 #include "decode_kernels.h"
 #include "twell/decode.h"
+#include "twell/formats/sign_bits.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vpopcntdq,fma,popcnt")
@@ -18,41 +22,59 @@
 namespace twell::cpu {
 namespace {
 
-// Rows [0, kRows) of the group at x_padded; sums[p·sums_stride + r] for plane p. Two words per step
-// into four accumulators per row and plane: independent adds hide their latency even at one row.
+// An int16 lane takes at most kFlushWords values of |x| <= kGateInputLevels (one per word) before it
+// is widened into the int32 totals, so it cannot overflow.
+constexpr int32_t kFlushWords = 16;
+static_assert(kFlushWords * kGateInputLevels <= INT16_MAX, "int16 lanes must not overflow between flushes");
+
+// Rows [0, kRows) of the group at x_quantized; sums[p·sums_stride + r] for plane p. A bit word is
+// the lane mask of one masked 16-bit add of 32 columns; the x row is loaded once for all planes.
+// With few accumulators, consecutive words go to kUnroll sets of them, so that the adds of one
+// row do not wait on each other.
 struct Avx512Sums {
   template <int kRows, int kPlanes>
-  static void run(const float* x_padded, int32_t x_stride, const uint32_t* bits, const uint32_t* large,
-                  int32_t words, float* sums, int32_t sums_stride) {
-    __m512 acc[kPlanes][kRows][4];
-    for (auto& plane : acc)
-      for (auto& row : plane)
-        for (__m512& a : row) a = _mm512_setzero_ps();
-    // Word w into accumulators 2u and 2u + 1 of every row and plane.
-    const auto add_word = [&](int32_t w, int u) {
-      uint32_t word[kPlanes];
-      for (int p = 0; p < kPlanes; ++p) word[p] = plane_word(p, bits, large, w);
-      for (int r = 0; r < kRows; ++r) {
-        const __m512 low = _mm512_loadu_ps(x_padded + r * x_stride + 32 * w);
-        const __m512 high = _mm512_loadu_ps(x_padded + r * x_stride + 32 * w + 16);
-        for (int p = 0; p < kPlanes; ++p) {
-          __m512* a = acc[p][r];
-          a[2 * u] = _mm512_mask_add_ps(a[2 * u], static_cast<__mmask16>(word[p]), a[2 * u], low);
-          a[2 * u + 1] = _mm512_mask_add_ps(a[2 * u + 1], static_cast<__mmask16>(word[p] >> 16), a[2 * u + 1], high);
+  static void run(const int16_t* x_quantized, int32_t x_stride, const uint32_t* bits, const uint32_t* large,
+                  int32_t words, int32_t* sums, int32_t sums_stride) {
+    constexpr int kUnroll = kRows * kPlanes <= 2 ? 2 : 1;
+    const __m512i ones = _mm512_set1_epi16(1);
+    __m512i total[kPlanes][kRows];  // int32 lanes
+    for (auto& plane : total)
+      for (__m512i& t : plane) t = _mm512_setzero_si512();
+    for (int32_t first = 0; first < words; first += kFlushWords) {
+      const int32_t last = std::min(words, first + kFlushWords);
+      __m512i acc[kUnroll][kPlanes][kRows];  // int16 lanes
+      for (auto& set : acc)
+        for (auto& plane : set)
+          for (__m512i& a : plane) a = _mm512_setzero_si512();
+      // x where the sign bit is set; where the large bit is; and the first masked by the large bit
+      // (large AND sign, without forming that mask).
+      const auto add_word = [&](int32_t w, int u) {
+        const __mmask32 sign = static_cast<__mmask32>(bits[w]);
+        for (int r = 0; r < kRows; ++r) {
+          const int16_t* x = x_quantized + r * x_stride + kSignBitsPerWord * w;
+          const __m512i negative = _mm512_maskz_loadu_epi16(sign, x);
+          acc[u][0][r] = _mm512_add_epi16(acc[u][0][r], negative);
+          if constexpr (kPlanes == 3) {
+            const __mmask32 is_large = static_cast<__mmask32>(large[w]);
+            acc[u][1][r] = _mm512_add_epi16(acc[u][1][r], _mm512_maskz_loadu_epi16(is_large, x));
+            acc[u][2][r] = _mm512_add_epi16(acc[u][2][r], _mm512_maskz_mov_epi16(is_large, negative));
+          }
         }
-      }
-    };
-    int32_t w = 0;
-    for (; w + 2 <= words; w += 2) {
-      add_word(w, 0);
-      add_word(w + 1, 1);
+      };
+      int32_t w = first;
+      for (; w + kUnroll <= last; w += kUnroll)
+        for (int u = 0; u < kUnroll; ++u) add_word(w + u, u);
+      for (; w < last; ++w) add_word(w, 0);
+      // The sets together hold at most kFlushWords values per lane.
+      for (int p = 0; p < kPlanes; ++p)
+        for (int r = 0; r < kRows; ++r) {
+          __m512i sum = acc[0][p][r];
+          for (int u = 1; u < kUnroll; ++u) sum = _mm512_add_epi16(sum, acc[u][p][r]);
+          total[p][r] = _mm512_add_epi32(total[p][r], _mm512_madd_epi16(sum, ones));
+        }
     }
-    if (w < words) add_word(w, 0);
     for (int p = 0; p < kPlanes; ++p)
-      for (int r = 0; r < kRows; ++r) {
-        const __m512* a = acc[p][r];
-        sums[p * sums_stride + r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
-      }
+      for (int r = 0; r < kRows; ++r) sums[p * sums_stride + r] = _mm512_reduce_add_epi32(total[p][r]);
   }
 };
 
@@ -75,10 +97,10 @@ void negative_counts_vpopcntdq(const uint32_t* x_signs, int32_t rows, const uint
 }  // namespace
 
 const DecodeKernelTable& avx512_decode_kernels() {
-  // 32 zmm registers: four rows of one plane (16 accumulators), or two rows of three (24).
+  // 32 zmm registers: eight rows of one plane (16 accumulators), or four rows of three (24).
   // Without VPOPCNTDQ the AVX2 table's 64-bit POPCNT loop is the best there is.
   static const DecodeKernelTable table{
-      &masked_sums_in_groups<Avx512Sums, 4, 2>,
+      &masked_sums_in_groups<Avx512Sums, 8, 4>,
       __builtin_cpu_supports("avx512vpopcntdq") ? &negative_counts_vpopcntdq : avx2_decode_kernels().negative_counts};
   return table;
 }

@@ -4,16 +4,16 @@
 namespace twell::cpu {
 namespace {
 
-// Rows [0, kRows) of the group at x_padded; sums[p·sums_stride + r] for plane p.
+// Rows [0, kRows) of the group at x_quantized; sums[p·sums_stride + r] for plane p.
 struct ScalarSums {
   template <int kRows, int kPlanes>
-  static void run(const float* x_padded, int32_t x_stride, const uint32_t* bits, const uint32_t* large,
-                  int32_t words, float* sums, int32_t sums_stride) {
-    float sum[kPlanes][kRows] = {};
+  static void run(const int16_t* x_quantized, int32_t x_stride, const uint32_t* bits, const uint32_t* large,
+                  int32_t words, int32_t* sums, int32_t sums_stride) {
+    int32_t sum[kPlanes][kRows] = {};
     for (int32_t w = 0; w < words; ++w)
       for (int p = 0; p < kPlanes; ++p)
         for (uint32_t word = plane_word(p, bits, large, w); word != 0; word &= word - 1) {
-          const float* x = x_padded + 32 * w + __builtin_ctz(word);
+          const int16_t* x = x_quantized + 32 * w + __builtin_ctz(word);
           for (int r = 0; r < kRows; ++r) sum[p][r] += x[r * x_stride];
         }
     for (int p = 0; p < kPlanes; ++p)
