@@ -147,17 +147,14 @@ class BlockPredictor {
     one_bit_gate(neuron, scores);
     for (int32_t m = 0; m < rows_; ++m) scores[m] = normalized_score(scores[m], signs_.residual[neuron], row_norms_[m]);
   }
-  // x·(sign·(small + (large − small)·L)) = small·(Σx − 2·Σ_neg x) + (large − small)·(Σ_L x − 2·Σ_{L∧neg} x).
+  // x·(sign·(small + (large − small)·L)) = small·Σ sign·x + (large − small)·Σ_L sign·x, over the quantized x.
   void two_bit_gate(int32_t neuron, float* scores) const {
-    int32_t sums[3 * kDecodeMaxRows];  // [plane][row]: sign, large, large AND sign
+    int32_t sums[2 * kDecodeMaxRows];  // [sum][row]: Σ sign·q over all columns, over the large ones
     kernels_.masked_sums(x_quantized_, rows_, neuron_bits(neuron),
                          signs_.large.data() + static_cast<size_t>(neuron) * words_, words_, sums);
     const float small = signs_.small_scale[neuron], large = signs_.large_scale[neuron];
-    for (int32_t m = 0; m < rows_; ++m) {
-      const float signed_sum = quantized_sum(m, row_sums_[m] - 2 * static_cast<int64_t>(sums[m]));
-      const float large_signed_sum = quantized_sum(m, sums[rows_ + m] - 2 * static_cast<int64_t>(sums[2 * rows_ + m]));
-      scores[m] = small * signed_sum + (large - small) * large_signed_sum;
-    }
+    for (int32_t m = 0; m < rows_; ++m)
+      scores[m] = small * quantized_sum(m, sums[m]) + (large - small) * quantized_sum(m, sums[rows_ + m]);
     add_exact_part(neuron, scores);
     for (int32_t m = 0; m < rows_; ++m)
       scores[m] = normalized_score(scores[m], signs_.two_bit_residual[neuron], row_norms_[m]);

@@ -17,9 +17,10 @@ struct DecodeKernelTable {
   // For rows r < rows (1..kDecodeMaxRows), token r's quantized x (decode.h, gate_inputs) is
   // x_quantized + r·32·words, |values| <= kGateInputLevels, zero past the real columns and at the
   // exact columns (the padding bits are 0 as well, so the padded tail adds nothing either way).
-  // large == nullptr: sums[r] = Σ x_r[k] over the set bits k of bits[0:words] (the sign plane).
-  // Otherwise the two-bit gate's three sums: sums[r] as above, sums[rows + r] over the set bits of
-  // large, sums[2·rows + r] over those of large AND bits (formed here, not stored).
+  // large == nullptr (the one-bit gates): sums[r] = Σ x_r[k] over the set bits k of bits[0:words].
+  // Otherwise the two-bit gate's two signed sums, with s_k = −1 where bit k of `bits` is set, else +1:
+  // sums[r] = Σ_k s_k·x_r[k] over every column, sums[rows + r] = Σ s_k·x_r[k] over the set bits of
+  // large. (x negated once where the sign bit is set serves both: two adds, one of them masked.)
   // Integer sums, exact: every ISA and every grouping of rows gives the same values.
   void (*masked_sums)(const int16_t* x_quantized, int32_t rows, const uint32_t* bits, const uint32_t* large,
                       int32_t words, int32_t* sums);
@@ -37,29 +38,23 @@ void for_each_row_group(int32_t rows, int32_t first_row, Block&& block) {
   if constexpr (kGroup > 1) for_each_row_group<kGroup / 2>(rows, first_row, block);
 }
 
-// DecodeKernelTable::masked_sums from an ISA's Group::run<kRows, kPlanes>(x of the group's first
-// row, x row stride, bits, large, words, sums of the first row, sums plane stride): groups of up to
-// kOnePlaneRows rows (large == nullptr: one plane) or kThreePlaneRows rows (three planes), as many
+// DecodeKernelTable::masked_sums from an ISA's Group::run<kRows, kTwoBit>(x of the group's first
+// row, x row stride, bits, large, words, sums of the first row, sums stride between the two-bit
+// gate's two sums): groups of up to kOneBitRows rows (large == nullptr) or kTwoBitRows rows, as many
 // as the ISA's registers hold accumulators for.
-template <typename Group, int kOnePlaneRows, int kThreePlaneRows>
+template <typename Group, int kOneBitRows, int kTwoBitRows>
 void masked_sums_in_groups(const int16_t* x_quantized, int32_t rows, const uint32_t* bits, const uint32_t* large,
                            int32_t words, int32_t* sums) {
   const int32_t x_stride = 32 * words;
-  const auto group_sums = [&](auto group, auto planes, int32_t row) {
-    Group::template run<decltype(group)::value, decltype(planes)::value>(x_quantized + row * x_stride, x_stride,
-                                                                          bits, large, words, sums + row, rows);
+  const auto group_sums = [&](auto group, auto two_bit, int32_t row) {
+    Group::template run<decltype(group)::value, decltype(two_bit)::value>(x_quantized + row * x_stride, x_stride,
+                                                                           bits, large, words, sums + row, rows);
   };
   if (large == nullptr)
-    for_each_row_group<kOnePlaneRows>(
-        rows, 0, [&](auto group, int32_t row) { group_sums(group, std::integral_constant<int, 1>{}, row); });
+    for_each_row_group<kOneBitRows>(rows, 0,
+                                    [&](auto group, int32_t row) { group_sums(group, std::false_type{}, row); });
   else
-    for_each_row_group<kThreePlaneRows>(
-        rows, 0, [&](auto group, int32_t row) { group_sums(group, std::integral_constant<int, 3>{}, row); });
-}
-
-// The mask word of plane p of word w: the sign plane, the large plane, or large AND sign.
-inline uint32_t plane_word(int plane, const uint32_t* bits, const uint32_t* large, int32_t w) {
-  return plane == 0 ? bits[w] : plane == 1 ? large[w] : large[w] & bits[w];
+    for_each_row_group<kTwoBitRows>(rows, 0, [&](auto group, int32_t row) { group_sums(group, std::true_type{}, row); });
 }
 
 // Each defined in decode_kernels_<isa>.cpp, whose functions carry that ISA's target attribute.

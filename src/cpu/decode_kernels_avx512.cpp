@@ -27,37 +27,37 @@ namespace {
 constexpr int32_t kFlushWords = 16;
 static_assert(kFlushWords * kGateInputLevels <= INT16_MAX, "int16 lanes must not overflow between flushes");
 
-// Rows [0, kRows) of the group at x_quantized; sums[p·sums_stride + r] for plane p. A bit word is
-// the lane mask of one masked 16-bit add of 32 columns; the x row is loaded once for all planes.
-// With few accumulators, consecutive words go to kUnroll sets of them, so that the adds of one
-// row do not wait on each other.
+// Rows [0, kRows) of the group at x_quantized; sums[r] (and sums[sums_stride + r]: kTwoBit). A bit
+// word is the lane mask of one masked 16-bit add of 32 columns (one-bit), or of the negation of x
+// and of the add over the large columns (two-bit). With few accumulators, consecutive words go to
+// kUnroll sets of them, so that the adds of one row do not wait on each other.
 struct Avx512Sums {
-  template <int kRows, int kPlanes>
+  template <int kRows, bool kTwoBit>
   static void run(const int16_t* x_quantized, int32_t x_stride, const uint32_t* bits, const uint32_t* large,
                   int32_t words, int32_t* sums, int32_t sums_stride) {
-    constexpr int kUnroll = kRows * kPlanes <= 2 ? 2 : 1;
+    constexpr int kSums = kTwoBit ? 2 : 1;
+    constexpr int kUnroll = kRows * kSums <= 2 ? 2 : 1;
     const __m512i ones = _mm512_set1_epi16(1);
-    __m512i total[kPlanes][kRows];  // int32 lanes
+    __m512i total[kSums][kRows];  // int32 lanes
     for (auto& plane : total)
       for (__m512i& t : plane) t = _mm512_setzero_si512();
     for (int32_t first = 0; first < words; first += kFlushWords) {
       const int32_t last = std::min(words, first + kFlushWords);
-      __m512i acc[kUnroll][kPlanes][kRows];  // int16 lanes
+      __m512i acc[kUnroll][kSums][kRows];  // int16 lanes
       for (auto& set : acc)
         for (auto& plane : set)
           for (__m512i& a : plane) a = _mm512_setzero_si512();
-      // x where the sign bit is set; where the large bit is; and the first masked by the large bit
-      // (large AND sign, without forming that mask).
       const auto add_word = [&](int32_t w, int u) {
         const __mmask32 sign = static_cast<__mmask32>(bits[w]);
         for (int r = 0; r < kRows; ++r) {
-          const int16_t* x = x_quantized + r * x_stride + kSignBitsPerWord * w;
-          const __m512i negative = _mm512_maskz_loadu_epi16(sign, x);
-          acc[u][0][r] = _mm512_add_epi16(acc[u][0][r], negative);
-          if constexpr (kPlanes == 3) {
-            const __mmask32 is_large = static_cast<__mmask32>(large[w]);
-            acc[u][1][r] = _mm512_add_epi16(acc[u][1][r], _mm512_maskz_loadu_epi16(is_large, x));
-            acc[u][2][r] = _mm512_add_epi16(acc[u][2][r], _mm512_maskz_mov_epi16(is_large, negative));
+          const __m512i x = _mm512_loadu_si512(x_quantized + r * x_stride + kSignBitsPerWord * w);
+          if constexpr (kTwoBit) {
+            const __m512i signed_x = _mm512_mask_sub_epi16(x, sign, _mm512_setzero_si512(), x);
+            acc[u][0][r] = _mm512_add_epi16(acc[u][0][r], signed_x);
+            acc[u][1][r] =
+                _mm512_mask_add_epi16(acc[u][1][r], static_cast<__mmask32>(large[w]), acc[u][1][r], signed_x);
+          } else {
+            acc[u][0][r] = _mm512_add_epi16(acc[u][0][r], _mm512_maskz_mov_epi16(sign, x));
           }
         }
       };
@@ -66,14 +66,14 @@ struct Avx512Sums {
         for (int u = 0; u < kUnroll; ++u) add_word(w + u, u);
       for (; w < last; ++w) add_word(w, 0);
       // The sets together hold at most kFlushWords values per lane.
-      for (int p = 0; p < kPlanes; ++p)
+      for (int p = 0; p < kSums; ++p)
         for (int r = 0; r < kRows; ++r) {
           __m512i sum = acc[0][p][r];
           for (int u = 1; u < kUnroll; ++u) sum = _mm512_add_epi16(sum, acc[u][p][r]);
           total[p][r] = _mm512_add_epi32(total[p][r], _mm512_madd_epi16(sum, ones));
         }
     }
-    for (int p = 0; p < kPlanes; ++p)
+    for (int p = 0; p < kSums; ++p)
       for (int r = 0; r < kRows; ++r) sums[p * sums_stride + r] = _mm512_reduce_add_epi32(total[p][r]);
   }
 };
@@ -97,7 +97,7 @@ void negative_counts_vpopcntdq(const uint32_t* x_signs, int32_t rows, const uint
 }  // namespace
 
 const DecodeKernelTable& avx512_decode_kernels() {
-  // 32 zmm registers: eight rows of one plane (16 accumulators), or four rows of three (24).
+  // 32 zmm registers: eight rows of one sum (16 accumulators), or four rows of two (16).
   // Without VPOPCNTDQ the AVX2 table's 64-bit POPCNT loop is the best there is.
   static const DecodeKernelTable table{
       &masked_sums_in_groups<Avx512Sums, 8, 4>,
