@@ -25,8 +25,8 @@
 //                 large_scale_j : small_scale_j), large = |W[j, k]| above the row's 60% quantile of |W| (the
 //                 sign-bits format's second plane), divided by ||x||·two_bit_residual_j; predicted
 //                 active iff >= −margin. Twice the predictor's bits (on the CPU one pass over both
-//                 planes, three masked sums of x per neuron: sign, large, and large AND sign), ~4x
-//                 fewer kept neurons than one-bit-norm on a real model.
+//                 planes, two sums of sign·x per neuron: over every column and over the large ones),
+//                 ~4x fewer kept neurons than one-bit-norm on a real model.
 // Exact columns (the sign-bits format's exact_columns): the three gates add Σ_c x[m, col_c]·W[j, col_c]
 // over a handful of columns of W kept exactly, approximate only the other columns (scale_j, the
 // residuals and the large plane cover those), and take ||x[m]|| over those other columns. Where one

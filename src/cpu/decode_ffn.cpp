@@ -131,53 +131,63 @@ class BlockPredictor {
     row_norms_ = scratch.row_norms.data() + first_row;
   }
   int32_t rows() const { return rows_; }
-  void negative_counts(int32_t neuron, int32_t* counts) const {
-    kernels_.negative_counts(x_signs_, rows_, neuron_bits(neuron), words_, counts);
-  }
-  // s = scale·step·(Σq − 2·Σ_{bit set} q) = scale·Σ x·sign(W) over the quantized x, plus the exact
-  // columns' part.
-  void one_bit_gate(int32_t neuron, float* scores) const {
-    int32_t negative[kDecodeMaxRows];
-    kernels_.masked_sums(x_quantized_, rows_, neuron_bits(neuron), nullptr, words_, negative);
-    for (int32_t m = 0; m < rows_; ++m)
-      scores[m] = signs_.scale[neuron] * quantized_sum(m, row_sums_[m] - 2 * static_cast<int64_t>(negative[m]));
-    add_exact_part(neuron, scores);
-  }
+  void negative_counts(int32_t neuron, int32_t* counts) const { kernel_sums(PredictorKind::sign_rule, neuron, counts); }
+  void one_bit_gate(int32_t neuron, float* scores) const { score(PredictorKind::one_bit_gate, neuron, scores); }
   void normalized_one_bit_gate(int32_t neuron, float* scores) const {
-    one_bit_gate(neuron, scores);
-    for (int32_t m = 0; m < rows_; ++m) scores[m] = normalized_score(scores[m], signs_.residual[neuron], row_norms_[m]);
+    score(PredictorKind::normalized_one_bit_gate, neuron, scores);
   }
-  // x·(sign·(small + (large − small)·L)) = small·Σ sign·x + (large − small)·Σ_L sign·x, over the quantized x.
-  void two_bit_gate(int32_t neuron, float* scores) const {
-    int32_t sums[2 * kDecodeMaxRows];  // [sum][row]: Σ sign·q over all columns, over the large ones
-    kernels_.masked_sums(x_quantized_, rows_, neuron_bits(neuron),
-                         signs_.large.data() + static_cast<size_t>(neuron) * words_, words_, sums);
-    const float small = signs_.small_scale[neuron], large = signs_.large_scale[neuron];
-    for (int32_t m = 0; m < rows_; ++m)
-      scores[m] = small * quantized_sum(m, sums[m]) + (large - small) * quantized_sum(m, sums[rows_ + m]);
-    add_exact_part(neuron, scores);
-    for (int32_t m = 0; m < rows_; ++m)
-      scores[m] = normalized_score(scores[m], signs_.two_bit_residual[neuron], row_norms_[m]);
-  }
+  void two_bit_gate(int32_t neuron, float* scores) const { score(PredictorKind::two_bit_gate, neuron, scores); }
   // active[m]: row m predicted active under `kind` with its integer (sign rule) or score (gates) threshold.
   void predict(PredictorKind kind, int32_t neuron, int32_t max_negatives, float min_score, bool* active) const {
+    int32_t sums[kSumsPerRow * kDecodeMaxRows];
+    kernel_sums(kind, neuron, sums);
     if (kind == PredictorKind::sign_rule) {
-      int32_t counts[kDecodeMaxRows];
-      negative_counts(neuron, counts);
-      for (int32_t m = 0; m < rows_; ++m) active[m] = counts[m] <= max_negatives;
+      for (int32_t m = 0; m < rows_; ++m) active[m] = sums[m] <= max_negatives;
       return;
     }
     float scores[kDecodeMaxRows];
-    switch (kind) {
-      case PredictorKind::one_bit_gate: one_bit_gate(neuron, scores); break;
-      case PredictorKind::normalized_one_bit_gate: normalized_one_bit_gate(neuron, scores); break;
-      case PredictorKind::two_bit_gate: two_bit_gate(neuron, scores); break;
-      case PredictorKind::sign_rule: break;
-    }
+    scores_from(kind, neuron, sums, scores);
     for (int32_t m = 0; m < rows_; ++m) active[m] = scores[m] >= min_score;
   }
 
  private:
+  // The integer sums `kind` scores a neuron from (the kernels' part, at most kSumsPerRow a row): the
+  // sign rule's N_neg; the one-bit gates' Σ q over the set bits; two-bit's two signed sums.
+  static constexpr int32_t kSumsPerRow = 2;
+  void kernel_sums(PredictorKind kind, int32_t neuron, int32_t* sums) const {
+    if (kind == PredictorKind::sign_rule) {
+      kernels_.negative_counts(x_signs_, rows_, neuron_bits(neuron), words_, sums);
+      return;
+    }
+    const uint32_t* large =
+        kind == PredictorKind::two_bit_gate ? signs_.large.data() + static_cast<size_t>(neuron) * words_ : nullptr;
+    kernels_.masked_sums(x_quantized_, rows_, neuron_bits(neuron), large, words_, sums);
+  }
+  // A gate's scores from its sums:
+  //   one-bit  s = scale·step·(Σq − 2·Σ_{bit set} q) = scale·Σ x·sign(W) over the quantized x, plus the
+  //            exact columns' part; one-bit-norm divides it by residual·||x||;
+  //   two-bit  x·(sign·(small + (large − small)·L)) = small·Σ sign·x + (large − small)·Σ_L sign·x, plus
+  //            the exact part, divided by two_bit_residual·||x||.
+  void scores_from(PredictorKind kind, int32_t neuron, const int32_t* sums, float* scores) const {
+    if (kind == PredictorKind::two_bit_gate) {
+      const float small = signs_.small_scale[neuron], large = signs_.large_scale[neuron];
+      for (int32_t m = 0; m < rows_; ++m)
+        scores[m] = small * quantized_sum(m, sums[m]) + (large - small) * quantized_sum(m, sums[rows_ + m]);
+    } else {
+      for (int32_t m = 0; m < rows_; ++m)
+        scores[m] = signs_.scale[neuron] * quantized_sum(m, row_sums_[m] - 2 * static_cast<int64_t>(sums[m]));
+    }
+    add_exact_part(neuron, scores);
+    if (kind == PredictorKind::one_bit_gate) return;
+    const float residual =
+        kind == PredictorKind::two_bit_gate ? signs_.two_bit_residual[neuron] : signs_.residual[neuron];
+    for (int32_t m = 0; m < rows_; ++m) scores[m] = normalized_score(scores[m], residual, row_norms_[m]);
+  }
+  void score(PredictorKind kind, int32_t neuron, float* scores) const {
+    int32_t sums[kSumsPerRow * kDecodeMaxRows];
+    kernel_sums(kind, neuron, sums);
+    scores_from(kind, neuron, sums, scores);
+  }
   // step·sum of row m: exact (a power of two times an integer) while |sum| < 2^24, i.e. D < 8196.
   float quantized_sum(int32_t m, int64_t sum) const { return steps_[m] * static_cast<float>(sum); }
   const uint32_t* neuron_bits(int32_t neuron) const { return signs_.bits.data() + static_cast<size_t>(neuron) * words_; }
