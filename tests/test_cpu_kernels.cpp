@@ -4,7 +4,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <random>
 
 #include "twell/bench_record.h"
 #include "twell/convert.h"
@@ -12,6 +14,7 @@
 #include "twell/error.h"
 #include "twell/reference.h"
 #include "twell/workload.h"
+#include "cpu/kernels.h"
 
 namespace twell {
 namespace {
@@ -159,6 +162,50 @@ TEST_F(CpuKernels, SparseFfnMatchesTheDenseReference) {
     std::vector<float> y_dense(work.x.size(), std::numeric_limits<float>::quiet_NaN());
     cpu::ffn_dense(work.x.data(), rows, work.weights, y_dense.data(), scratch);
     EXPECT_LE(relative_l2_error(y_dense.data(), y_ref.data(), y.size()), 1e-5) << "rows " << rows;
+  }
+}
+
+// paired_dots (the decode FFN's gathered rows) on every ISA: each sum bit-identical to dot_block's
+// for that row and neuron alone, and within fp32 accumulation error of float64; counts past one
+// tile of kPairedDots, lengths with and without a vector tail, rows scattered in memory.
+TEST_F(CpuKernels, PairedDotsAreDotBlocksOfTheirPairs) {
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal;
+  for (cpu::Isa isa : {cpu::Isa::scalar, cpu::Isa::avx2, cpu::Isa::avx512}) {
+    try {
+      cpu::set_isa(isa);
+    } catch (const Error&) {
+      continue;  // this CPU lacks it
+    }
+    const cpu::KernelTable& kernels = cpu::active_kernels();
+    for (int32_t d : {1, 7, 16, 17, 100, 2053}) {
+      constexpr int32_t kRows = 5, kNeurons = 13;
+      std::vector<float> x(static_cast<size_t>(kRows) * d), w(static_cast<size_t>(kNeurons) * d);
+      for (float& v : x) v = normal(rng);
+      for (float& v : w) v = normal(rng);
+      for (int32_t count = 1; count <= 2 * cpu::kPairedDots + 1; ++count) {
+        SCOPED_TRACE(testing::Message() << cpu::to_string(isa) << " d " << d << " count " << count);
+        std::vector<const float*> x_rows(count), w_rows(count);
+        for (int32_t i = 0; i < count; ++i) {
+          x_rows[i] = x.data() + static_cast<size_t>(rng() % kRows) * d;
+          w_rows[i] = w.data() + static_cast<size_t>(rng() % kNeurons) * d;
+        }
+        std::vector<float> out(count + 1, std::numeric_limits<float>::quiet_NaN());
+        kernels.paired_dots(x_rows.data(), w_rows.data(), count, d, out.data());
+        EXPECT_TRUE(std::isnan(out[count])) << "wrote past count";
+        for (int32_t i = 0; i < count; ++i) {
+          float alone = std::numeric_limits<float>::quiet_NaN();
+          kernels.dot_block(x_rows[i], 1, w_rows[i], 1, d, &alone, 1);
+          EXPECT_EQ(std::memcmp(&out[i], &alone, sizeof(float)), 0) << "pair " << i << ": " << out[i] << " vs " << alone;
+          double exact = 0, magnitude = 0;
+          for (int32_t k = 0; k < d; ++k) {
+            exact += static_cast<double>(x_rows[i][k]) * w_rows[i][k];
+            magnitude += std::abs(static_cast<double>(x_rows[i][k]) * w_rows[i][k]);
+          }
+          EXPECT_NEAR(out[i], exact, 1e-6 * magnitude + 1e-30) << "pair " << i;
+        }
+      }
+    }
   }
 }
 

@@ -286,34 +286,66 @@ DecodeStats decode_ffn(const float* x, int64_t rows, const FfnWeights& weights, 
     std::vector<DecodeScratch::ActiveNeuron>& found = scratch.active[omp_get_thread_num()];
     found.clear();
     const BlockPredictor scorer(signs, scratch, 0, static_cast<int32_t>(rows));
-
-#pragma omp for schedule(static)
-    for (int32_t j = 0; j < hidden; ++j) {
-      const float* projection_row = projection + static_cast<size_t>(j) * cols;  // [D]
-      bool predicted_rows[kDecodeMaxRows];
-      scorer.predict(predictor.kind, j, max_negatives, min_score, predicted_rows);
-      for (int64_t m = 0; m < rows; ++m) {
-        const bool predicted_active = predicted_rows[m];
-        if (!predicted_active && !options.count_missed) continue;
-        const float* x_row = x + m * cols;  // [D]
-        float activation;
-        kernels.dot_block(x_row, 1, projection_row, 1, cols, &activation, 1);
-        if (!predicted_active) {
-          missed += activation > 0.0f;
+    // The exact gate of the predicted pairs, and the up row of the truly active ones, in batches of
+    // kPairedDots pairs whose rows are read together: their cache misses overlap.
+    struct Pair {
+      int32_t row, neuron;
+      float activation;
+    };
+    Pair gate_batch[kPairedDots], up_batch[kPairedDots];
+    int32_t gate_count = 0, up_count = 0;
+    const auto batch_dots = [&](const Pair* batch, int32_t count, const float* matrix, float* dots) {
+      const float* x_rows[kPairedDots];
+      const float* w_rows[kPairedDots];
+      for (int32_t i = 0; i < count; ++i) {
+        x_rows[i] = x + batch[i].row * cols;
+        w_rows[i] = matrix + static_cast<size_t>(batch[i].neuron) * cols;
+      }
+      kernels.paired_dots(x_rows, w_rows, count, cols, dots);
+    };
+    const auto flush_up = [&] {
+      float up[kPairedDots];
+      batch_dots(up_batch, up_count, weights.up.data(), up);
+      for (int32_t i = 0; i < up_count; ++i)
+        found.push_back({up_batch[i].row, up_batch[i].neuron, up_batch[i].activation * up[i]});
+      up_count = 0;
+    };
+    const auto flush_gates = [&] {
+      float activation[kPairedDots];
+      batch_dots(gate_batch, gate_count, projection, activation);
+      for (int32_t i = 0; i < gate_count; ++i) {
+        ++predicted;
+        if (!(activation[i] > 0.0f)) continue;
+        ++active;
+        if (!weights.gated) {
+          found.push_back({gate_batch[i].row, gate_batch[i].neuron, activation[i]});
           continue;
         }
-        ++predicted;
-        if (!(activation > 0.0f)) continue;
-        ++active;
-        float coefficient = activation;
-        if (weights.gated) {
-          float up;
-          kernels.dot_block(x_row, 1, weights.up.data() + static_cast<size_t>(j) * cols, 1, cols, &up, 1);
-          coefficient *= up;
-        }
-        found.push_back({static_cast<int32_t>(m), j, coefficient});
+        up_batch[up_count++] = {gate_batch[i].row, gate_batch[i].neuron, activation[i]};
+        if (up_count == kPairedDots) flush_up();
       }
-    }  // implicit barrier: every list is complete
+      gate_count = 0;
+    };
+
+#pragma omp for schedule(static) nowait
+    for (int32_t j = 0; j < hidden; ++j) {
+      bool predicted_rows[kDecodeMaxRows];
+      scorer.predict(predictor.kind, j, max_negatives, min_score, predicted_rows);
+      for (int32_t m = 0; m < rows; ++m) {
+        if (predicted_rows[m]) {
+          gate_batch[gate_count++] = {m, j, 0.0f};
+          if (gate_count == kPairedDots) flush_gates();
+        } else if (options.count_missed) {
+          float activation;
+          kernels.dot_block(x + m * cols, 1, projection + static_cast<size_t>(j) * cols, 1, cols, &activation, 1);
+          missed += activation > 0.0f;
+        }
+      }
+    }
+    flush_gates();
+    flush_up();
+#pragma omp barrier  // every list is complete
+
 
     // Columns in 16-float blocks, so every thread's range starts on a 64-byte boundary of a row.
     const int32_t block = std::max<int32_t>(16, (cols / omp_get_num_threads() + 15) / 16 * 16);

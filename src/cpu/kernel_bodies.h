@@ -69,6 +69,30 @@ void dot_block(const float* x, int64_t rows, const float* w, int32_t neurons, in
   for (; n < neurons; ++n) rows_of_block(n, std::integral_constant<int, 1>{});
 }
 
+// out[i] = x_rows[i]·w_rows[i] for kCount pairs, the loads of all pairs interleaved; each pair's
+// accumulator, reduction and scalar tail are dot_tile<V, 1, 1>'s.
+template <typename V, int kCount>
+void paired_dot_tile(const float* const* x_rows, const float* const* w_rows, int32_t d, float* out) {
+  typename V::Vec acc[kCount];
+  for (int i = 0; i < kCount; ++i) acc[i] = V::zero();
+  const int32_t vector_end = d - d % V::kLanes;
+  for (int32_t k = 0; k < vector_end; k += V::kLanes)
+    for (int i = 0; i < kCount; ++i) acc[i] = V::fma(V::load(x_rows[i] + k), V::load(w_rows[i] + k), acc[i]);
+  for (int i = 0; i < kCount; ++i) {
+    float total = V::sum(acc[i]);
+    for (int32_t k = vector_end; k < d; ++k) total += x_rows[i][k] * w_rows[i][k];
+    out[i] = total;
+  }
+}
+
+template <typename V>
+void paired_dots(const float* const* x_rows, const float* const* w_rows, int32_t count, int32_t d, float* out) {
+  int32_t i = 0;
+  for (; i + 4 <= count; i += 4) paired_dot_tile<V, 4>(x_rows + i, w_rows + i, d, out + i);
+  for (; i + 2 <= count; i += 2) paired_dot_tile<V, 2>(x_rows + i, w_rows + i, d, out + i);
+  for (; i < count; ++i) paired_dot_tile<V, 1>(x_rows + i, w_rows + i, d, out + i);
+}
+
 // values[i] *= x[rows[i], :]·w, rows blocked so each vector of w is loaded once per block.
 template <typename V>
 void scale_by_dots(const float* w, const float* x, int32_t d, const int32_t* rows, int64_t count, float* values) {
@@ -122,7 +146,7 @@ int32_t find_positive(const float* values, int32_t n, int32_t* positive, bool* h
 
 template <typename V>
 constexpr KernelTable make_kernel_table() {
-  return KernelTable{&dot_block<V>, &scale_by_dots<V>, &scatter_axpy<V>, &find_positive<V>};
+  return KernelTable{&dot_block<V>, &paired_dots<V>, &scale_by_dots<V>, &scatter_axpy<V>, &find_positive<V>};
 }
 
 }  // namespace
