@@ -88,6 +88,7 @@ void paired_dot_tile(const float* const* x_rows, const float* const* w_rows, int
 template <typename V>
 void paired_dots(const float* const* x_rows, const float* const* w_rows, int32_t count, int32_t d, float* out) {
   int32_t i = 0;
+  for (; i + 8 <= count; i += 8) paired_dot_tile<V, 8>(x_rows + i, w_rows + i, d, out + i);
   for (; i + 4 <= count; i += 4) paired_dot_tile<V, 4>(x_rows + i, w_rows + i, d, out + i);
   for (; i + 2 <= count; i += 2) paired_dot_tile<V, 2>(x_rows + i, w_rows + i, d, out + i);
   for (; i < count; ++i) paired_dot_tile<V, 1>(x_rows + i, w_rows + i, d, out + i);
