@@ -1,6 +1,7 @@
 // Fast CPU kernels for the inference FFN (fp32 weights and activations, fp32 accumulation;
 // TwELL values bf16 as the format defines). AVX-512, AVX2 or scalar, picked at run time;
 // multi-threaded with OpenMP. The dense baseline is OpenBLAS sgemm in the same fp32 weights.
+// Also the model's causal attention over its KV cache (fp32).
 #pragma once
 
 #include <cstdint>
@@ -34,5 +35,24 @@ struct DenseScratch {
   std::vector<float> up;    // [M, H]
 };
 void ffn_dense(const float* x, int64_t rows, const FfnWeights& weights, float* y, DenseScratch& scratch);
+
+// Causal grouped-query attention of n new tokens over the model's KV cache (one sequence), which
+// already holds their keys and values at positions start .. start + n - 1: token t sees positions
+// 0 ..= start + t, and query head h reads kv head h / (n_heads / n_kv_heads). The float64 oracle is
+// ref::causal_attention (its layout is head-major, this one the model's position-major).
+struct AttentionShape {
+  int32_t tokens = 0;      // n
+  int32_t n_heads = 0;     // H_q
+  int32_t n_kv_heads = 0;  // H_kv, divides H_q
+  int32_t head_dim = 0;    // Dh
+  int32_t start = 0;       // positions cached before the new tokens
+};
+struct AttentionScratch {
+  std::vector<std::vector<float>> scores;  // per thread
+};
+// out = softmax(scale·q·K^T)·V.  q and out [n, H_q, Dh]; keys and values [start + n, H_kv, Dh]
+// (a longer cache's positions past start + n are never read).
+void causal_attention(const float* q, const float* keys, const float* values, const AttentionShape& shape,
+                      float scale, float* out, AttentionScratch& scratch);
 
 }  // namespace twell::cpu

@@ -1,7 +1,6 @@
 // The CPU forward pass: embedding, RMSNorm, RoPE, grouped-query attention over a KV cache, the FFN
 // through the chosen path, LM head. fp32 throughout; the projections are OpenBLAS sgemm calls.
 #include <cblas.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -109,7 +108,7 @@ struct Model::Workspace {
   std::vector<float> projected;  // [n, D]
   std::vector<float> gate;       // [n, H]
   std::vector<float> up;         // [n, H]
-  std::vector<std::vector<float>> scores;  // per thread [capacity]
+  cpu::AttentionScratch attention_scratch;
   TwellMatrix gate_packed;
   cpu::DecodeScratch decode;
 
@@ -278,7 +277,6 @@ void Model::forward(const int32_t* tokens, int32_t n, KvCache& cache, float* log
   const int64_t D = c.d_model;
   const int32_t Dh = c.head_dim;
   const int64_t q_dim = int64_t{c.n_heads} * Dh, kv_dim = int64_t{c.n_kv_heads} * Dh;
-  const int32_t group = c.n_heads / c.n_kv_heads;
   const int32_t start = cache.length;
   const float scale = 1.0f / std::sqrt(static_cast<float>(Dh));
 
@@ -298,38 +296,8 @@ void Model::forward(const int32_t* tokens, int32_t n, KvCache& cache, float* log
     std::copy_n(ws.k.data(), n * kv_dim, keys + start * kv_dim);
     std::copy_n(ws.v.data(), n * kv_dim, values + start * kv_dim);
 
-    // Causal attention: query i (position start + i) sees positions 0 ..= start + i.
-    ws.scores.resize(std::max(1, omp_get_max_threads()));
-#pragma omp parallel for collapse(2) schedule(dynamic)
-    for (int32_t i = 0; i < n; ++i) {
-      for (int32_t h = 0; h < c.n_heads; ++h) {
-        std::vector<float>& scores = ws.scores[omp_get_thread_num()];
-        if (static_cast<int32_t>(scores.size()) < cache.capacity) scores.resize(cache.capacity);
-        const int32_t kv_head = h / group;
-        const int32_t visible = start + i + 1;
-        const float* query = ws.q.data() + (int64_t{i} * c.n_heads + h) * Dh;
-        float max_score = -INFINITY;
-        for (int32_t j = 0; j < visible; ++j) {
-          const float* key = keys + (int64_t{j} * c.n_kv_heads + kv_head) * Dh;
-          float dot = 0;
-          for (int32_t d = 0; d < Dh; ++d) dot += query[d] * key[d];
-          scores[j] = dot * scale;
-          max_score = std::max(max_score, scores[j]);
-        }
-        float total = 0;
-        for (int32_t j = 0; j < visible; ++j) {
-          scores[j] = std::exp(scores[j] - max_score);
-          total += scores[j];
-        }
-        float* out = ws.attention.data() + (int64_t{i} * c.n_heads + h) * Dh;
-        std::fill_n(out, Dh, 0.0f);
-        for (int32_t j = 0; j < visible; ++j) {
-          const float weight = scores[j] / total;
-          const float* value = values + (int64_t{j} * c.n_kv_heads + kv_head) * Dh;
-          for (int32_t d = 0; d < Dh; ++d) out[d] += weight * value[d];
-        }
-      }
-    }
+    cpu::causal_attention(ws.q.data(), keys, values, {n, c.n_heads, c.n_kv_heads, Dh, start}, scale,
+                          ws.attention.data(), ws.attention_scratch);
     linear(ws.attention.data(), n, layer.wo, q_dim, D, ws.projected.data());
     for (int64_t e = 0; e < n * D; ++e) ws.hidden[e] += ws.projected[e];
 
