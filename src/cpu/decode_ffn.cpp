@@ -63,25 +63,19 @@ void prepare_rows(const float* x, int64_t rows, const SignBits& signs, bool pack
   scratch.row_norms.resize(rows);
   for (int64_t m = 0; m < rows; ++m) {
     const float* x_row = x + m * cols;  // [D]
+    // One pass: every column must be finite; the step follows the approximated columns only.
     float largest = 0.0f;
     bool finite = true;
-    for (int32_t k = 0; k < cols; ++k) {
+    for (int32_t k = 0, next = 0; k < cols; ++k) {
       finite &= std::isfinite(x_row[k]);
+      if (next < static_cast<int32_t>(exact_count) && signs.exact_columns[next] == k) {
+        ++next;
+        continue;
+      }
       largest = std::max(largest, std::abs(x_row[k]));
     }
     TWELL_REQUIRE(finite, "x must be finite: row {} of the decode input holds a NaN or infinity", m);
     for (size_t c = 0; c < exact_count; ++c) scratch.x_exact[m * exact_count + c] = x_row[signs.exact_columns[c]];
-    // The largest |x| over the approximated columns: recomputed only when an exact column may hold it.
-    if (exact_count > 0) {
-      largest = 0.0f;
-      for (int32_t k = 0, next = 0; k < cols; ++k) {
-        if (next < static_cast<int32_t>(exact_count) && signs.exact_columns[next] == k) {
-          ++next;
-          continue;
-        }
-        largest = std::max(largest, std::abs(x_row[k]));
-      }
-    }
     const float step = gate_input_step(largest);
     const double inverse = 1.0 / step;  // exact: a power of two (in double even for the smallest step)
     int16_t* q_row = scratch.x_quantized.data() + m * padded;  // [32·words]

@@ -137,12 +137,6 @@ __device__ __forceinline__ void red_add_v4(float* address, float a, float b, flo
                : "memory");
 }
 
-// 16 bytes from global into shared memory, or zeros when `bytes` is 0.
-__device__ __forceinline__ void copy_async_16(void* shared, const void* global, uint32_t bytes = 16) {
-  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(address), "l"(global), "r"(bytes) : "memory");
-}
-
 __device__ __forceinline__ unsigned long long load_acquire(const unsigned long long* address) {
   unsigned long long value;
   asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(value) : "l"(address) : "memory");
@@ -287,10 +281,10 @@ __device__ __forceinline__ void stage_rows(const DecodeParams& p, const bf16* ma
     for (int piece = lane; piece < slice_pieces; piece += 32) {
       const bool inside = first_piece + piece < pieces;
       const bf16* source = row + (inside ? (first_piece + piece) * kChunk : 0);
-      copy_async_16(slots + slot * p.shared.slot_stride + piece * 16, source, inside ? 16u : 0u);
+      copy_16_async(slots + slot * p.shared.slot_stride + piece * 16, source, inside);
     }
   }
-  asm volatile("cp.async.commit_group;" ::: "memory");
+  commit_copies();
 }
 
 // out[slot][token] = x[token] · (slot's row) over this warp's columns, for slots [0, count): one mma
@@ -432,9 +426,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) decode_ffn_kernel(D
     const uint32_t* source =
         (plane == 0 ? p.sign_tiles : p.large_tiles) + static_cast<int64_t>(blockIdx.x) * p.words * 16;
     for (int chunk = threadIdx.x; chunk < plane_chunks; chunk += kThreads)
-      copy_async_16(shared + (plane * plane_chunks + chunk) * 16, source + chunk * 4);
+      copy_16_async(shared + (plane * plane_chunks + chunk) * 16, source + chunk * 4);
   }
-  asm volatile("cp.async.commit_group;" ::: "memory");
+  commit_copies();
   uint4 x[word_batch(kKind, kTokenTiles)][kTokenTiles];
   load_x_words(p, first_word, end_word, lane >> 2, lane & 3, x);
   if (threadIdx.x < kTileNeurons) {
@@ -467,7 +461,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) decode_ffn_kernel(D
     call = ticket / gridDim.x;
     zeroes_y = ticket % gridDim.x == 0;
   }
-  asm volatile("cp.async.wait_all;" ::: "memory");
+  wait_all_copies();
   __syncthreads();
 
   if (zeroes_y) {  // the first block of the call; its release below follows the next barrier
@@ -535,7 +529,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) decode_ffn_kernel(D
     stage_rows(p, p.projection, gated, 0, slots, first_neuron, first_word, lane);
     stage_rows(p, p.up, gated, gated_count, slots, first_neuron, first_word, lane);
     stage_rows(p, p.down, gated, 2 * gated_count, slots, first_neuron, first_word, lane);
-    asm volatile("cp.async.wait_all;" ::: "memory");
+    wait_all_copies();
     __syncwarp();
     slot_dots<kTokenTiles>(p, slots, 2 * gated_count, first_word, end_word, lane, warp_dots);
     __syncthreads();
@@ -560,7 +554,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) decode_ffn_kernel(D
       rest &= ~batch;
       const int count = __popc(batch);
       stage_rows(p, p.projection, batch, 0, slots, first_neuron, first_word, lane);
-      asm volatile("cp.async.wait_all;" ::: "memory");
+      wait_all_copies();
       __syncwarp();
       slot_dots<kTokenTiles>(p, slots, count, first_word, end_word, lane, warp_dots);
       __syncthreads();
@@ -589,7 +583,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) decode_ffn_kernel(D
       const int count = __popc(batch);
       if (gated_ffn) stage_rows(p, p.up, batch, 0, slots, first_neuron, first_word, lane);
       stage_rows(p, p.down, batch, gated_ffn ? count : 0, slots, first_neuron, first_word, lane);
-      asm volatile("cp.async.wait_all;" ::: "memory");
+      wait_all_copies();
       __syncwarp();
       if (gated_ffn) {
         slot_dots<kTokenTiles>(p, slots, count, first_word, end_word, lane, warp_dots);

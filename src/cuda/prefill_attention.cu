@@ -38,22 +38,6 @@ __device__ __forceinline__ int tile_offset(int row, int chunk) {
   return (row * kChunks + (chunk ^ (row & kSwizzle))) * 8;
 }
 
-__device__ __forceinline__ uint32_t shared_address(const void* pointer) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
-}
-
-// 16 bytes global -> shared, asynchronously; zeros when !valid (global is then not read).
-__device__ __forceinline__ void copy_16_async(void* shared, const void* global, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(shared)), "l"(global),
-               "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;\n" ::); }
-// Waits until at most `kPending` committed groups are still in flight.
-template <int kPending>
-__device__ __forceinline__ void wait_copies() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
-}
-
 // rows [valid_rows, Dh] (global, row-major) -> tile rows 0 .. kRows-1, zeros past valid_rows.
 template <int kDh, int kRows>
 __device__ __forceinline__ void load_tile_async(bf16* tile, const bf16* rows, int valid_rows) {

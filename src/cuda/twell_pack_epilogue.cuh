@@ -126,7 +126,7 @@ class TwellPackEpilogue {
           const int tile = first_tile + t;
           if (tile >= params_.n_tiles) break;  // uniform: the CTA's columns past H
           // Lane's non-zeros: bit 2·b + c for column block b of the tile, column 2·quad_lane + c.
-          uint32_t own[kWords / 4 > 0 ? kWords / 4 : 1] = {};
+          uint32_t own[kWords / 4] = {};
           CUTE_UNROLL
           for (int b = 0; b < kTile / 8; ++b) {
             const int block = t * (kTile / 8) + b;

@@ -1,5 +1,6 @@
 // Device helpers shared by the CUDA kernels: bf16 pairs unpacked from 32-bit words, an 8-element
-// bf16 dot product on one 16-byte load each, a full-warp sum, and the bf16 tensor-core product.
+// bf16 dot product on one 16-byte load each, a full-warp sum, the bf16 tensor-core product, and
+// asynchronous 16-byte copies into shared memory (cp.async).
 #pragma once
 
 #include <cstdint>
@@ -37,5 +38,24 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+
+__device__ __forceinline__ uint32_t shared_address(const void* pointer) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
+}
+
+// 16 bytes global -> shared, asynchronously; zeros when !valid (global is then not read).
+__device__ __forceinline__ void copy_16_async(void* shared, const void* global, bool valid = true) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(shared)), "l"(global),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Waits until at most `kPending` committed groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void wait_copies() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+// Waits for every copy, committed or not.
+__device__ __forceinline__ void wait_all_copies() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
 }  // namespace twell::cuda
