@@ -112,6 +112,21 @@ TEST_P(DecodeTest, NothingSkippedEqualsDenseFfn) {
   }
 }
 
+// accumulate: y += the FFN, on top of what y held (a residual stream), for every kind.
+TEST_P(DecodeTest, AccumulateAddsTheFfnToY) {
+  const std::vector<double> ffn = ref::ffn_dense(work_.x.data(), rows(), work_.weights);
+  const std::vector<float> residual = make_normal(output_count(), 1.0, work_.spec.seed + 99);
+  std::vector<double> expected(ffn.size());
+  for (size_t i = 0; i < ffn.size(); ++i) expected[i] = ffn[i] + residual[i];
+  for (PredictorConfig predictor : {PredictorConfig{PredictorKind::sign_rule, kHugeSetting, 0.0},
+                                    PredictorConfig{PredictorKind::two_bit_gate, 1.0, kHugeSetting}}) {
+    SCOPED_TRACE(to_string(predictor.kind));
+    std::vector<float> y = residual;
+    backend().decode_ffn(work_.x.data(), rows(), work_.weights, signs_, predictor, y.data(), {.accumulate = true});
+    EXPECT_TRUE(test::near_relative_l2("y", y.data(), expected.data(), expected.size(), kFp32Tolerance));
+  }
+}
+
 // The sign rule at a lossy alpha: its prediction is exact integer arithmetic, so the output must
 // equal the reference decode FFN with the reference's own prediction, and the counters must match.
 TEST_P(DecodeTest, SignRuleMatchesReferencePrediction) {

@@ -45,6 +45,19 @@ DeviceArray<T> make_device_array(size_t count) {
 void copy_to_device(void* device, const void* host, size_t bytes, cudaStream_t stream = nullptr);
 // Synchronizes `stream` before returning.
 void copy_to_host(void* host, const void* device, size_t bytes, cudaStream_t stream = nullptr);
+// Benchmarks: reads a buffer twice the L2's size, so that the call timed next finds nothing an
+// earlier call left in the L2 (its weights come from DRAM, as a model's layer finds them). A read:
+// a write would leave dirty lines for the timed call to write back.
+class L2Evictor {
+ public:
+  L2Evictor();
+  void run(cudaStream_t stream = nullptr) const;
+
+ private:
+  size_t words_ = 0;
+  DeviceArray<uint4> buffer_;
+  DeviceArray<unsigned> sink_;
+};
 // Uploads fp32 host values as bf16 (round to nearest even).
 DeviceArray<bf16> upload_bf16(const float* host, size_t count, cudaStream_t stream = nullptr);
 std::vector<float> download_bf16(const bf16* device, size_t count, cudaStream_t stream = nullptr);

@@ -90,6 +90,9 @@ struct DecodeOptions {
   // Also compute the exact gate of every neuron predicted zero, to count `missed` (diagnostics and
   // calibration only: it reads all of W and throws the speed away; the output is unchanged).
   bool count_missed = false;
+  // y += the FFN's output instead of y = it: the model adds the FFN straight into its residual
+  // stream (no zeroing, no separate residual add).
+  bool accumulate = false;
 };
 
 // Quality of a predictor on sample inputs, against the exact float64 projection.

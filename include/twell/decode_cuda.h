@@ -8,9 +8,10 @@
 // trip) into shared memory and computes the exact gates of all tokens as one mma per 16 columns and
 // 8 neurons; for the truly active (token, neuron) pairs u = x·up[j] the same way, and y += relu(g)·u·
 // down[j] by vector atomics. The first block to start zeroes y and the others wait for it before
-// their first atomic. Nothing allocates and nothing waits on the host, so run() can be captured in a
-// CUDA graph. The sum order of y depends on timing: results agree with the reference to fp32
-// rounding, not bit for bit between runs.
+// their first atomic (with DecodeOptions::accumulate, y is added to as it is). Nothing allocates
+// and nothing waits on the host, so run() can be captured in a CUDA graph; the launch is a
+// programmatic dependent one (it starts while the stream's previous kernel ends). The sum order of y
+// depends on timing: results agree with the reference to fp32 rounding, not bit for bit between runs.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -68,26 +69,43 @@ inline std::vector<GateCase> small_gate_cases() {
   };
 }
 
-// call(i) runs the op on input set i (0 .. input_sets-1); 5 warm-up calls, then `reps` timed ones.
-template <typename Fn>
-TimingStats time_calls(int reps, int input_sets, Fn&& call) {
+// calls[k](i) runs implementation k on input set i (0 .. input_sets-1). 5 warm-up rounds, then `reps`
+// timed rounds; a round times each implementation once, in turn, so that drift of the clocks over
+// the run falls on all of them alike (sequential blocks of identical cuBLASLt calls were seen to
+// differ by up to 9%). Before each timed call cuda::L2Evictor empties the L2: otherwise an
+// implementation timed right after one that read the same weights finds them there (a layer of a
+// model finds them in DRAM). One TimingStats per implementation.
+inline std::vector<TimingStats> time_interleaved(int reps, int input_sets,
+                                                 const std::vector<std::function<void(int)>>& calls) {
   cudaEvent_t start, stop;
   TWELL_CUDA_CHECK(cudaEventCreate(&start));
   TWELL_CUDA_CHECK(cudaEventCreate(&stop));
-  for (int i = 0; i < 5; ++i) call(i % input_sets);
-  std::vector<double> samples;
-  for (int i = 0; i < reps; ++i) {
-    TWELL_CUDA_CHECK(cudaEventRecord(start));
-    call(i % input_sets);
-    TWELL_CUDA_CHECK(cudaEventRecord(stop));
-    TWELL_CUDA_CHECK(cudaEventSynchronize(stop));
-    float ms = 0;
-    TWELL_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-    samples.push_back(ms);
-  }
+  const cuda::L2Evictor evictor;
+  for (int i = 0; i < 5; ++i)
+    for (const auto& call : calls) call(i % input_sets);
+  std::vector<std::vector<double>> samples(calls.size());
+  for (int i = 0; i < reps; ++i)
+    for (size_t k = 0; k < calls.size(); ++k) {
+      evictor.run();
+      TWELL_CUDA_CHECK(cudaEventRecord(start));
+      calls[k](i % input_sets);
+      TWELL_CUDA_CHECK(cudaEventRecord(stop));
+      TWELL_CUDA_CHECK(cudaEventSynchronize(stop));
+      float ms = 0;
+      TWELL_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+      samples[k].push_back(ms);
+    }
   TWELL_CUDA_CHECK(cudaEventDestroy(start));
   TWELL_CUDA_CHECK(cudaEventDestroy(stop));
-  return summarize_ms(samples);
+  std::vector<TimingStats> stats;
+  for (const auto& s : samples) stats.push_back(summarize_ms(s));
+  return stats;
+}
+
+// One implementation: call(i) runs it on input set i.
+template <typename Fn>
+TimingStats time_calls(int reps, int input_sets, Fn&& call) {
+  return time_interleaved(reps, input_sets, {std::function<void(int)>(std::forward<Fn>(call))})[0];
 }
 
 // Elements of the two unpacked gates that differ by more than bf16 rounding of an fp32 sum against

@@ -10,7 +10,8 @@
 // 2·D·2 bytes of weight rows per non-zero (from L2): at 0.5% (28 per row) 3.8 GB, ~0.4 ms at ~9 TB/s.
 //
 // Timing: CUDA events around each call, warm-up first, median of `reps` calls, inputs rotated over
-// 3 sets of x. The reference runs on 16 rows spread over M (the float64 loops are slow on a CPU).
+// 3 sets of x; dense, TwELL and the dispatching FFN interleaved call by call, the L2 emptied before
+// each. The reference runs on 16 rows spread over M (the float64 loops are slow on a CPU).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -129,22 +130,30 @@ void bench(const std::vector<int64_t>& row_counts, int32_t d, int32_t h, const s
       bf16* y = device.y.get();
 
       cuda::DenseFfn dense;
-      const TimingStats dense_t = lab::time_calls(reps, lab::kInputSets, [&](int i) { dense.run(device.x[i].get(), rows, device.weights, y); });
+      cuda::DeviceTwell packed;
+      cuda::SparseFfn auto_ffn;
+      cuda::gate_to_twell_complete(device.x[0].get(), rows, device.weights, 128, 4, packed);  // sizes `packed`
+      // Dense, TwELL and the dispatching FFN timed in turn, call by call (lab_common.h).
+      const std::vector<TimingStats> interleaved = lab::time_interleaved(
+          reps, lab::kInputSets,
+          {[&](int i) { dense.run(device.x[i].get(), rows, device.weights, y); },
+           [&](int i) {
+             cuda::gate_to_twell(device.x[i].get(), rows, device.weights, 128, 4, packed);
+             cuda::ffn_from_twell(device.x[i].get(), packed, device.weights, y);
+           },
+           [&](int i) { auto_ffn.run(device.x[i].get(), rows, device.weights, y); }});
+      const TimingStats& dense_t = interleaved[0];
+      const TimingStats& twell_t = interleaved[1];
+      const TimingStats& auto_t = interleaved[2];
       dense.run(device.x[0].get(), rows, device.weights, y);
       const double dense_err = error_on_rows(ref, y, d);
 
-      cuda::DeviceTwell packed;
-      cuda::gate_to_twell_complete(device.x[0].get(), rows, device.weights, 128, 4, packed);
       const TimingStats gate_t = lab::time_calls(reps, lab::kInputSets, [&](int i) {
         cuda::gate_to_twell(device.x[i].get(), rows, device.weights, 128, 4, packed);
       });
       cuda::gate_to_twell(device.x[0].get(), rows, device.weights, 128, 4, packed);
       const TimingStats ffn_t =
           lab::time_calls(reps, lab::kInputSets, [&](int) { cuda::ffn_from_twell(device.x[0].get(), packed, device.weights, y); });
-      const TimingStats twell_t = lab::time_calls(reps, lab::kInputSets, [&](int i) {
-        cuda::gate_to_twell(device.x[i].get(), rows, device.weights, 128, 4, packed);
-        cuda::ffn_from_twell(device.x[i].get(), packed, device.weights, y);
-      });
       cuda::gate_to_twell(device.x[0].get(), rows, device.weights, 128, 4, packed);
       cuda::ffn_from_twell(device.x[0].get(), packed, device.weights, y);
       const double twell_err = error_on_rows(ref, y, d);
@@ -154,8 +163,6 @@ void bench(const std::vector<int64_t>& row_counts, int32_t d, int32_t h, const s
       const int32_t spill_used = cuda::spill_rows_used(packed);
       const int64_t twell_bytes = packed.slot_capacity * 4 + packed.tile_capacity * 4 + packed.spill_capacity * 128 * 2;
 
-      cuda::SparseFfn auto_ffn;
-      const TimingStats auto_t = lab::time_calls(reps, lab::kInputSets, [&](int i) { auto_ffn.run(device.x[i].get(), rows, device.weights, y); });
       auto_ffn.run(device.x[0].get(), rows, device.weights, y);
       const double auto_err = error_on_rows(ref, y, d);
 

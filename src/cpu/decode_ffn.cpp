@@ -346,7 +346,8 @@ DecodeStats decode_ffn(const float* x, int64_t rows, const FfnWeights& weights, 
     const int32_t begin = std::min(cols, block * omp_get_thread_num());
     const int32_t end = omp_get_thread_num() == omp_get_num_threads() - 1 ? cols : std::min(cols, begin + block);
     if (begin < end) {
-      for (int64_t m = 0; m < rows; ++m) std::fill(y + m * cols + begin, y + m * cols + end, 0.0f);
+      if (!options.accumulate)
+        for (int64_t m = 0; m < rows; ++m) std::fill(y + m * cols + begin, y + m * cols + end, 0.0f);
       for (const auto& list : scratch.active)
         for (const DecodeScratch::ActiveNeuron& neuron : list)
           kernels.scatter_axpy(weights.down.data() + static_cast<size_t>(neuron.neuron) * cols + begin, end - begin,

@@ -21,7 +21,10 @@
 //      atomics, each warp for its own columns.
 // y needs no memset (one graph node per call): the first block to start (a ticket, so that it is
 // surely running) zeroes y and publishes the call's epoch; blocks wait for it before their first
-// atomic add, by which time it is long done.
+// atomic add, by which time it is long done (an accumulating call adds to y as it is).
+// Launched as a programmatic dependent launch: the planes and per-neuron constants load while the
+// stream's previous kernel ends, x and y are touched only after griddepcontrol.wait, and once every
+// block has its ticket the next call may start the same way.
 // Bytes: the sign planes of every neuron + gate rows of predicted neurons + up/down rows of active ones.
 #include <cuda_bf16.h>
 
@@ -107,6 +110,7 @@ struct DecodeParams {
   int32_t max_negatives;      // sign rule
   float min_score;            // gates
   bool count_missed;
+  bool accumulate;  // y += (nobody zeroes y, nobody waits)
 };
 
 // plane [H, words] -> [tiles, words, 8 groups, 2]: for lane (group g, quad q) of step 1's mma, word
@@ -144,6 +148,11 @@ __device__ __forceinline__ unsigned long long load_acquire(const unsigned long l
 }
 __device__ __forceinline__ void store_release(unsigned long long* address, unsigned long long value) {
   asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(address), "l"(value) : "memory");
+}
+
+// How many calls have had their y zeroed; for an accumulating call, as good as all.
+__device__ __forceinline__ unsigned long long zeroed_count(const DecodeParams& p) {
+  return p.accumulate ? ~0ull : load_acquire(&p.sync->zeroed);
 }
 
 // bf16 pair ±1 from the bits at positions 15 and 31 of `shifted` (set: −1).
@@ -206,7 +215,10 @@ __device__ __forceinline__ void score_part(const DecodeParams& p, const uint32_t
   constexpr int kBatch = word_batch(kKind, kTokenTiles);
   const int group = lane >> 2, quad = lane & 3;
   const int pieces = p.cols / kChunk;
-  float acc[kTokenTiles][kPlanes][4] = {};
+  // At one token tile, one accumulator set per mma step: two chains of dependent mma instead of one
+  // twice as long (at two, the registers are not there: the normalized kinds would spill).
+  constexpr int kChains = kTokenTiles == 1 ? 2 : 1;
+  float acc[kChains][kTokenTiles][kPlanes][4] = {};
   float gram[kTokenTiles][4] = {};
   for (int w0 = first_word; w0 < end_word; w0 += kBatch) {
     if (w0 != first_word) load_x_words(p, w0, end_word, group, quad, x);
@@ -231,14 +243,15 @@ __device__ __forceinline__ void score_part(const DecodeParams& p, const uint32_t
         for (int i = 0; i < 4; ++i) a[i] = sign_pair(bits << (7 - (4 * step + i)));
 #pragma unroll
         for (int tile = 0; tile < kTokenTiles; ++tile)
-          mma_bf16(acc[tile][0], a, operand[tile][2 * step], operand[tile][2 * step + 1]);
+          mma_bf16(acc[step % kChains][tile][0], a, operand[tile][2 * step], operand[tile][2 * step + 1]);
         if (kPlanes == 2) {
           uint32_t a_large[4];
 #pragma unroll
           for (int i = 0; i < 4; ++i) a_large[i] = a[i] & half_masks(large << (7 - (4 * step + i)));
 #pragma unroll
           for (int tile = 0; tile < kTokenTiles; ++tile)
-            mma_bf16(acc[tile][kPlanes - 1], a_large, operand[tile][2 * step], operand[tile][2 * step + 1]);
+            mma_bf16(acc[step % kChains][tile][kPlanes - 1], a_large, operand[tile][2 * step],
+                     operand[tile][2 * step + 1]);
         }
         if (kNormalized) {
           // A = x [16 tokens, k]: rows group and group + 8.
@@ -260,7 +273,8 @@ __device__ __forceinline__ void score_part(const DecodeParams& p, const uint32_t
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int neuron = group + (i >= 2 ? 8 : 0), token = kTokenTile * tile + quad * 2 + (i & 1);
-        partial[((part * kPlanes + plane) * kTileNeurons + neuron) * kTokens + token] = acc[tile][plane][i];
+        partial[((part * kPlanes + plane) * kTileNeurons + neuron) * kTokens + token] =
+            acc[0][tile][plane][i] + (kChains == 2 ? acc[kChains - 1][tile][plane][i] : 0.0f);
       }
     // x·xᵀ's diagonal: token 8·tile + group sits at row 8·tile + group, column group of token tile `tile`.
     if (kNormalized && quad == group >> 1)
@@ -429,17 +443,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) decode_ffn_kernel(D
       copy_16_async(shared + (plane * plane_chunks + chunk) * 16, source + chunk * 4);
   }
   commit_copies();
-  uint4 x[word_batch(kKind, kTokenTiles)][kTokenTiles];
-  load_x_words(p, first_word, end_word, lane >> 2, lane & 3, x);
   if (threadIdx.x < kTileNeurons) {
     predicted[threadIdx.x] = 0u;
     active[threadIdx.x] = 0u;
-  }
-  if (kGate && threadIdx.x < p.rows * p.exact_count) {
-    const int m = threadIdx.x / p.exact_count, c = threadIdx.x % p.exact_count;
-    const unsigned short bits =
-        reinterpret_cast<const unsigned short*>(p.x)[static_cast<int64_t>(m) * p.cols + p.exact_columns[c]];
-    exact_x[m][c] = __uint_as_float(static_cast<uint32_t>(bits) << 16);
   }
   // The tile's per-neuron constants of step 2, loaded while the planes arrive (in shared memory: the
   // registers are step 1's).
@@ -459,10 +465,23 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) decode_ffn_kernel(D
     active_count = 0u;
     missed_count = 0u;
     call = ticket / gridDim.x;
-    zeroes_y = ticket % gridDim.x == 0;
+    zeroes_y = !p.accumulate && ticket % gridDim.x == 0;
+  }
+  // Everything above reads only the layer's own constants, so under a programmatic launch it overlaps
+  // the previous kernel; x and y belong to the stream's order from here on.
+  wait_for_previous_grid();
+  uint4 x[word_batch(kKind, kTokenTiles)][kTokenTiles];
+  load_x_words(p, first_word, end_word, lane >> 2, lane & 3, x);
+  if (kGate && threadIdx.x < p.rows * p.exact_count) {
+    const int m = threadIdx.x / p.exact_count, c = threadIdx.x % p.exact_count;
+    const unsigned short bits =
+        reinterpret_cast<const unsigned short*>(p.x)[static_cast<int64_t>(m) * p.cols + p.exact_columns[c]];
+    exact_x[m][c] = __uint_as_float(static_cast<uint32_t>(bits) << 16);
   }
   wait_all_copies();
   __syncthreads();
+  // Every block has its ticket, so the next call's blocks (a programmatic launch) may start taking theirs.
+  allow_dependent_grids();
 
   if (zeroes_y) {  // the first block of the call; its release below follows the next barrier
     float4* y = reinterpret_cast<float4*>(p.y);
@@ -525,7 +544,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) decode_ffn_kernel(D
   const int gated_count = __popc(gated);
   unsigned long long zeroed = 0;
   if (gated != 0u && gated_ffn && !p.count_missed && 3 * gated_count <= p.shared.slots) {
-    if (threadIdx.x == 0) zeroed = load_acquire(&p.sync->zeroed);  // read early, spun on below
+    if (threadIdx.x == 0) zeroed = zeroed_count(p);  // read early, spun on below
     stage_rows(p, p.projection, gated, 0, slots, first_neuron, first_word, lane);
     stage_rows(p, p.up, gated, gated_count, slots, first_neuron, first_word, lane);
     stage_rows(p, p.down, gated, 2 * gated_count, slots, first_neuron, first_word, lane);
@@ -575,7 +594,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) decode_ffn_kernel(D
       __syncthreads();
     }
     const uint32_t active_neurons = __ballot_sync(0xffffffffu, lane < kTileNeurons && active[lane] != 0u);
-    if (active_neurons != 0u && threadIdx.x == 0) zeroed = load_acquire(&p.sync->zeroed);
+    if (active_neurons != 0u && threadIdx.x == 0) zeroed = zeroed_count(p);
     const int per_round = gated_ffn ? p.shared.slots / 2 : p.shared.slots;
     for (uint32_t rest = active_neurons; rest != 0u;) {
       const uint32_t batch = lowest_bits(rest, per_round);
@@ -605,20 +624,36 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) decode_ffn_kernel(D
     }
   }
 
+  // Reductions (no value comes back), so the block need not wait for a load of its counters to exit:
+  // a read-modify-write here stood in every block's path at the end (ncu, M = 1: 3.5% of the stalls).
   if (threadIdx.x == 0 && (predicted_pairs | active_count | missed_count) != 0) {
-    Counters& slot = p.counters[blockIdx.x];  // this block's own: plain read-modify-write
-    slot.predicted += static_cast<unsigned long long>(predicted_pairs);
-    slot.active += active_count;
-    slot.missed += missed_count;
+    Counters& slot = p.counters[blockIdx.x];
+    atomicAdd(&slot.predicted, static_cast<unsigned long long>(predicted_pairs));
+    atomicAdd(&slot.active, static_cast<unsigned long long>(active_count));
+    atomicAdd(&slot.missed, static_cast<unsigned long long>(missed_count));
   }
 }
 
+// A programmatic launch (PDL): the kernel may start while the stream's previous kernel finishes, and
+// waits for it (griddepcontrol.wait) only before it touches x and y. Measured on the H200 (bench
+// decode, graph of 20 calls): 1.0 us off M = 1 (10.6 -> 9.5 us, two-bit-norm), 0.7-1.2 us off M = 4
+// and 16; without the early trigger in the kernel, 0.2-0.3 us.
 template <PredictorKind kKind>
 void launch(const DecodeParams& p, int tiles, cudaStream_t stream) {
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(tiles));
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = static_cast<size_t>(p.shared.bytes());
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
   if (p.rows > kTokenTile)
-    decode_ffn_kernel<kKind, 2><<<tiles, kThreads, p.shared.bytes(), stream>>>(p);
+    TWELL_CUDA_CHECK(cudaLaunchKernelEx(&config, decode_ffn_kernel<kKind, 2>, p));
   else
-    decode_ffn_kernel<kKind, 1><<<tiles, kThreads, p.shared.bytes(), stream>>>(p);
+    TWELL_CUDA_CHECK(cudaLaunchKernelEx(&config, decode_ffn_kernel<kKind, 1>, p));
 }
 
 // Lets both kernels of a kind take `shared` bytes of dynamic shared memory (beyond the default 48 KiB
@@ -770,6 +805,7 @@ void DecodeLayer::run(const bf16* x, int64_t rows, const PredictorConfig& predic
       predictor.kind == PredictorKind::sign_rule ? sign_rule_max_negatives(predictor.alpha, w.d_model) : 0;
   p.min_score = static_cast<float>(-predictor.margin);
   p.count_missed = options.count_missed;
+  p.accumulate = options.accumulate;
   impl_->all_counted_missed = impl_->all_counted_missed && options.count_missed;
 
   switch (predictor.kind) {

@@ -74,7 +74,6 @@ struct CudaModel::Impl {
   DeviceBuffer<bf16> q;           // [B, H_q, n, Dh]
   DeviceBuffer<bf16> attention;   // [rows, H_q·Dh]
   DeviceBuffer<bf16> ffn_out;     // [rows, D]
-  DeviceBuffer<float> ffn_out_f32;  // [rows, D] (DecodeLayer)
   DeviceBuffer<float> logits;     // [out rows, V]
 
   std::map<std::pair<int32_t, bool>, cudaGraphExec_t> graphs;  // (B, LM head) -> decode step
@@ -111,7 +110,6 @@ struct CudaModel::Impl {
     grow(q, rows * q_dim());
     grow(attention, rows * q_dim());
     grow(ffn_out, rows * d);
-    if (path == FfnPath::predict && rows <= kDecodeMaxRows) grow(ffn_out_f32, rows * d);
     if (with_lm_head) grow(logits, (all_logits ? rows : batch) * int64_t{config.vocab_size});
   }
 
@@ -124,8 +122,7 @@ struct CudaModel::Impl {
     DeviceLayer& layer = layers[layer_index];
     const int64_t rows = int64_t{batch} * n, count = rows * config.d_model;
     if (path == FfnPath::predict && rows <= kDecodeMaxRows) {
-      layer.decode->run(normed.data(), rows, predictors[layer_index], ffn_out_f32.data(), stream);
-      mk::add_residual(hidden.data(), ffn_out_f32.data(), count, stream);
+      layer.decode->run(normed.data(), rows, predictors[layer_index], hidden.data(), stream, {.accumulate = true});
       return;
     }
     if (path == FfnPath::dense)

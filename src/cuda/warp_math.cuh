@@ -1,6 +1,7 @@
 // Device helpers shared by the CUDA kernels: bf16 pairs unpacked from 32-bit words, an 8-element
 // bf16 dot product on one 16-byte load each, a full-warp sum, the bf16 tensor-core product, and
-// asynchronous 16-byte copies into shared memory (cp.async).
+// asynchronous 16-byte copies into shared memory (cp.async), the two sides of a programmatic
+// dependent launch.
 #pragma once
 
 #include <cstdint>
@@ -57,5 +58,13 @@ __device__ __forceinline__ void wait_copies() {
 }
 // Waits for every copy, committed or not.
 __device__ __forceinline__ void wait_all_copies() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+// Programmatic dependent launch: waits until the grid this one was launched after has finished and its
+// writes are visible (a no-op for a plain launch) ...
+__device__ __forceinline__ void wait_for_previous_grid() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+// ... and lets the grid launched after this one start before this one ends.
+__device__ __forceinline__ void allow_dependent_grids() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
 
 }  // namespace twell::cuda

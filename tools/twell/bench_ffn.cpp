@@ -218,12 +218,19 @@ void run_ffn_bench(const FfnBenchOptions& options) {
       const std::vector<std::vector<float>> inputs = rotated_inputs(work, options.input_sets);
       const WorkloadFacts facts = reference_facts(work, options.reference_rows);
 
+      // The implementations take turns call by call, so that drift over the run (clocks, other
+      // tenants of a shared CPU) falls on all of them alike.
+      const size_t impl_count = device.impls.size();
+      for (const auto& impl : device.impls) impl->prepare(work, inputs);
+      for (int i = 0; i < options.warmup; ++i)
+        for (const auto& impl : device.impls) impl->run_ms(i % options.input_sets);
+      std::vector<std::vector<double>> samples(impl_count);
+      for (int i = 0; i < options.reps; ++i)
+        for (size_t k = 0; k < impl_count; ++k) samples[k].push_back(device.impls[k]->run_ms(i % options.input_sets));
+
       double dense_median_ms = 0;
-      for (const auto& impl : device.impls) {
-        impl->prepare(work, inputs);
-        for (int i = 0; i < options.warmup; ++i) impl->run_ms(i % options.input_sets);
-        std::vector<double> samples;
-        for (int i = 0; i < options.reps; ++i) samples.push_back(impl->run_ms(i % options.input_sets));
+      for (size_t k = 0; k < impl_count; ++k) {
+        const auto& impl = device.impls[k];
         impl->run_ms(0);
         const std::vector<float> y = impl->output();
         const size_t outputs = static_cast<size_t>(rows) * options.d_model;
@@ -233,7 +240,7 @@ void run_ffn_bench(const FfnBenchOptions& options) {
         BenchRecord record = new_bench_record("ffn", options.device, device.model, impl->name(), rows,
                                               options.d_model, options.d_hidden, density);
         record.nnz_per_row = facts.nnz_per_row;
-        record.timing = summarize_ms(samples);
+        record.timing = summarize_ms(samples[k]);
         record.rel_err = reference_error(facts, y, options.d_model);
         record.peak_bytes = impl->peak_bytes();
         const bool is_dense = impl->name() == "dense";

@@ -3,7 +3,9 @@
 //   twell       gate GEMM -> TwELL, then the fused up+down kernel (always sparse); its record also
 //               gives each kernel's median time alone (extra gate_ms, ffn_from_twell_ms)
 //   twell_auto  cuda::SparseFfn: TwELL or dense per call (its rule in include/twell/cuda.h)
-// Each run is timed with CUDA events around the call on the default stream.
+// Each run is timed with CUDA events around the call on the default stream, after cuda::L2Evictor has
+// emptied the L2 (the driver interleaves the implementations: else one would find the weights the
+// previous one left there).
 #if defined(TWELL_HAVE_CUDA)
 
 #include <memory>
@@ -30,6 +32,7 @@ class EventTimer {
   }
   template <typename Fn>
   double time_ms(Fn&& fn) {
+    evictor_.run();
     cudaEventRecord(start_);
     fn();
     cudaEventRecord(stop_);
@@ -42,6 +45,7 @@ class EventTimer {
 
  private:
   cudaEvent_t start_ = nullptr, stop_ = nullptr;
+  cuda::L2Evictor evictor_;
 };
 
 // Device copies of the workload: weights, the rotated inputs, y.
