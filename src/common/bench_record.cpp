@@ -9,10 +9,7 @@
 #include <fstream>
 
 #include "twell/error.h"
-
-#ifndef TWELL_GIT_COMMIT
-#define TWELL_GIT_COMMIT "unknown"
-#endif
+#include "twell_build_commit.h"  // TWELL_GIT_COMMIT, written at every build (cmake/commit_stamp.cmake)
 
 namespace twell {
 
