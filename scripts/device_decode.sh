@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# One device call for the decode path (src/cuda/decode_ffn.cu and the model's batch-1 step): test,
+# sanitize, time, profile. Runs binaries built here and carried (the GPU machine builds nothing):
+#   mkdir -p .carry/decode && cp build/tools/twell build/tests/twell_tests .carry/decode/
+#   strip .carry/decode/*; gzip -9 .carry/decode/*   (or all in one bins.tar.xz)
+#   run: scripts/device_decode.sh .carry/decode   (carry [".carry/decode"])
+# Other twell_* binaries beside twell (twell_base: main's build; variants built for a comparison) are
+# timed in the same call, so every variant has its baseline measured on the same machine.
+# One log ($OUT/device.log), the JSON records and the ncu source tables go to $OUT.
+# STEPS picks a subset: tests,sanitize,bench,model,ncu (default all but ncu; ncu serializes and
+# locks the clocks, so its durations are for proportions, not for the notes' tables).
+set -o pipefail
+bin=${1:-.carry/decode}
+out=${OUT:-/tmp/device_decode}
+steps=${STEPS:-tests,sanitize,bench,model}
+source "$(dirname "$0")/device/common.sh"
+log=$out/device.log
+
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw,driver_version --format=csv |
+  tee -a "$log"
+mkdir -p build/tests  # the tests look for their fixtures relative to build/tests
+
+if step tests; then
+  (cd build/tests && timeout 200 "$bin/twell_tests" --gtest_brief=1 \
+    --gtest_filter='*Decode*:CudaFfn.Decode*:CudaModel*:*CudaGolden*:*PrefillAttention*' > /tmp/tests.log 2>&1) ||
+    status=1
+  grep -E "FAILED|PASSED|SKIPPED|tests from" /tmp/tests.log | tail -n 12 | tee -a "$log"
+fi
+if step sanitize; then
+  sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  for tool in memcheck racecheck; do
+    (cd build/tests && timeout 120 "$sanitizer" --tool "$tool" --error-exitcode 3 "$bin/twell_tests" --gtest_brief=1 \
+      --gtest_filter='CudaFfn.DecodeLayerCallsInARow*:*DecodeTest.Accumulate*cuda*' > "/tmp/$tool.log" 2>&1)
+    rc=$?
+    [[ $rc == 0 ]] || status=1
+    echo "$tool: exit $rc; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "/tmp/$tool.log" | tail -n 1)" | tee -a "$log"
+  done
+fi
+if [[ $status != 0 ]]; then
+  echo "tests or sanitizers failed: no timings" | tee -a "$log"
+  exit $status
+fi
+if step bench; then
+  for twell in "$bin"/twell "$bin"/twell_*; do
+    [[ -x $twell && $twell != *twell_tests ]] || continue
+    name=$(basename "$twell")
+    echo "== $name bench decode" | tee -a "$log"
+    timeout 120 "$twell" bench decode --device cuda --m 1,4,16 --json "$out/decode_$name.json" 2>&1 | tail -n 28 |
+      tee -a "$log" || status=1
+  done
+fi
+if step model; then
+  for twell in "$bin"/twell "$bin"/twell_*; do
+    [[ -x $twell && $twell != *twell_tests ]] || continue
+    name=$(basename "$twell")
+    echo "== $name bench model (batch-1 decode of the synthetic 2B)" | tee -a "$log"
+    # Building the synthetic 2B takes most of a minute on the GPU machine's CPU.
+    timeout 150 "$twell" bench model --synthetic 2b --device cuda --batch 1 --prompt-tokens 128 --decode-context 128 \
+      --decode-tokens 256 --reps 3 --ffn dense,predict --json "$out/model_decode_$name.json" 2>&1 | tail -n 6 |
+      tee -a "$log" || status=1
+  done
+fi
+if step ncu; then
+  ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  # The third decode launch of a bench is a timed call of the first predictor (one-bit) at that M.
+  for m in 1 16; do
+    timeout 150 "$ncu" --set full --import-source no --page source --csv --print-source sass -k regex:decode_ffn \
+      --launch-skip 2 --launch-count 1 "$bin/twell" bench decode --device cuda --m $m --reps 3 --warmup 1 --inputs 2 \
+      > "$out/ncu_source_m$m.csv" 2> /tmp/ncu.err
+    echo "ncu source M=$m: exit $? ($(wc -c < "$out/ncu_source_m$m.csv") bytes)" | tee -a "$log"
+  done
+fi
+exit $status
