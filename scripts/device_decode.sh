@@ -8,7 +8,9 @@
 # timed in the same call, so every variant has its baseline measured on the same machine.
 # One log ($OUT/device.log), the JSON records and the ncu source tables go to $OUT.
 # STEPS picks a subset: tests,sanitize,bench,model,ncu (default all but ncu; ncu serializes and
-# locks the clocks, so its durations are for proportions, not for the notes' tables).
+# locks the clocks, so its durations are for proportions, not for the notes' tables). With several
+# variants the whole set outlasts one 10-minute call: tests,sanitize,bench in one, model in the next
+# (each model run builds the synthetic 2B on the CPU first, about a minute).
 set -o pipefail
 bin=${1:-.carry/decode}
 out=${OUT:-/tmp/device_decode}
@@ -21,19 +23,28 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw,d
 mkdir -p build/tests  # the tests look for their fixtures relative to build/tests
 
 if step tests; then
-  (cd build/tests && timeout 200 "$bin/twell_tests" --gtest_brief=1 \
-    --gtest_filter='*Decode*:CudaFfn.Decode*:CudaModel*:*CudaGolden*:*PrefillAttention*' > /tmp/tests.log 2>&1) ||
-    status=1
-  grep -E "FAILED|PASSED|SKIPPED|tests from" /tmp/tests.log | tail -n 12 | tee -a "$log"
+  # twell_tests_* beside twell_tests: the test builds of the variants.
+  for tests in "$bin"/twell_tests*; do
+    echo "== $(basename "$tests")" | tee -a "$log"
+    (cd build/tests && timeout 200 "$tests" --gtest_brief=1 \
+      --gtest_filter='*Decode*:CudaFfn.Decode*:CudaModel*:*CudaGolden*:*PrefillAttention*' > /tmp/tests.log 2>&1) ||
+      status=1
+    grep -E "FAILED|PASSED|SKIPPED|tests from" /tmp/tests.log | tail -n 12 | tee -a "$log"
+  done
 fi
 if step sanitize; then
   sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-  for tool in memcheck racecheck; do
-    (cd build/tests && timeout 120 "$sanitizer" --tool "$tool" --error-exitcode 3 "$bin/twell_tests" --gtest_brief=1 \
-      --gtest_filter='CudaFfn.DecodeLayerCallsInARow*:*DecodeTest.Accumulate*cuda*' > "/tmp/$tool.log" 2>&1)
-    rc=$?
-    [[ $rc == 0 ]] || status=1
-    echo "$tool: exit $rc; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "/tmp/$tool.log" | tail -n 1)" | tee -a "$log"
+  # memcheck for every test build, racecheck for main's (each takes most of a minute).
+  for tests in "$bin"/twell_tests*; do
+    for tool in memcheck racecheck; do
+      [[ $tool == racecheck && $tests != */twell_tests ]] && continue
+      (cd build/tests && timeout 90 "$sanitizer" --tool "$tool" --error-exitcode 3 "$tests" --gtest_brief=1 \
+        --gtest_filter='CudaFfn.DecodeLayerCallsInARow*:*DecodeTest.Accumulate*cuda*' > "/tmp/$tool.log" 2>&1)
+      rc=$?
+      [[ $rc == 0 ]] || status=1
+      echo "$(basename "$tests") $tool: exit $rc; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "/tmp/$tool.log" |
+        tail -n 1)" | tee -a "$log"
+    done
   done
 fi
 if [[ $status != 0 ]]; then
@@ -42,7 +53,7 @@ if [[ $status != 0 ]]; then
 fi
 if step bench; then
   for twell in "$bin"/twell "$bin"/twell_*; do
-    [[ -x $twell && $twell != *twell_tests ]] || continue
+    [[ -x $twell && $twell != *twell_tests* ]] || continue
     name=$(basename "$twell")
     echo "== $name bench decode" | tee -a "$log"
     timeout 120 "$twell" bench decode --device cuda --m 1,4,16 --json "$out/decode_$name.json" 2>&1 | tail -n 28 |
@@ -51,7 +62,7 @@ if step bench; then
 fi
 if step model; then
   for twell in "$bin"/twell "$bin"/twell_*; do
-    [[ -x $twell && $twell != *twell_tests ]] || continue
+    [[ -x $twell && $twell != *twell_tests* ]] || continue
     name=$(basename "$twell")
     echo "== $name bench model (batch-1 decode of the synthetic 2B)" | tee -a "$log"
     # Building the synthetic 2B takes most of a minute on the GPU machine's CPU.
