@@ -48,6 +48,10 @@ struct DecodeBenchOptions {
   uint64_t seed = 1;
   std::string json_path;
   int exact_columns = kMaxExactColumns;  // at most, chosen on the calibration tokens
+  // CUDA: copies of the layer's weights (and of its decode planes) on the device, taken in turn call
+  // by call. One replays a single layer, whose predictor data stays in the L2 between calls; copies
+  // larger than the L2 together make every call find its weights in DRAM, as a model's layers do.
+  int weight_copies = 1;
 };
 
 constexpr int kGraphCalls = 20;
@@ -244,13 +248,19 @@ double graph_ms_per_call(const std::function<void(int, cudaStream_t)>& run, int 
 
 struct CudaState {
   const Workload* work;
-  cuda::DeviceFfnWeights weights;
+  std::vector<cuda::DeviceFfnWeights> weights;  // options.weight_copies copies, taken in turn
+  int next_copy = 0;
+  int take_copy() {
+    const int copy = next_copy;
+    next_copy = (next_copy + 1) % static_cast<int>(weights.size());
+    return copy;
+  }
   std::vector<cuda::DeviceArray<bf16>> inputs;
   cuda::DeviceArray<bf16> y_bf16;
   cuda::DeviceArray<float> y_float;
   cuda::DenseFfn dense;
   std::unique_ptr<cuda::SparseFfn> twell;
-  std::unique_ptr<cuda::DecodeLayer> layer;
+  std::vector<std::unique_ptr<cuda::DecodeLayer>> layers;  // one per copy of the weights
   bool last_float = false;
 };
 
@@ -258,13 +268,15 @@ std::vector<Impl> cuda_impls(CudaState& s, const std::vector<std::vector<float>>
                              const std::vector<PredictorConfig>& predictors, const DecodeBenchOptions& options) {
   const int64_t rows = s.work->spec.rows;
   const size_t count = static_cast<size_t>(rows) * options.d_model;
-  s.weights = cuda::upload_weights(s.work->weights);
+  s.weights.clear();
+  for (int copy = 0; copy < options.weight_copies; ++copy) s.weights.push_back(cuda::upload_weights(s.work->weights));
   s.inputs.clear();
   for (const auto& x : host_inputs) s.inputs.push_back(cuda::upload_bf16(x.data(), x.size()));
   s.y_bf16 = cuda::make_device_array<bf16>(count);
   s.y_float = cuda::make_device_array<float>(count);
   s.twell = std::make_unique<cuda::SparseFfn>(cuda::SparseFfnOptions{.tile = 128, .compression = 4, .allow_dense = false});
-  s.layer = std::make_unique<cuda::DecodeLayer>(s.weights, signs);
+  s.layers.clear();
+  for (const cuda::DeviceFfnWeights& copy : s.weights) s.layers.push_back(std::make_unique<cuda::DecodeLayer>(copy, signs));
   auto output = [&s, count] {
     if (!s.last_float) return cuda::download_bf16(s.y_bf16.get(), count);
     std::vector<float> y(count);
@@ -274,23 +286,29 @@ std::vector<Impl> cuda_impls(CudaState& s, const std::vector<std::vector<float>>
   const int sets = options.input_sets, reps = options.reps;
   std::vector<Impl> impls;
   {
-    auto run = [&s, rows](int i, cudaStream_t stream) { s.dense.run(s.inputs[i].get(), rows, s.weights, s.y_bf16.get(), stream); };
+    auto run = [&s, rows](int i, cudaStream_t stream) {
+      s.dense.run(s.inputs[i].get(), rows, s.weights[s.take_copy()], s.y_bf16.get(), stream);
+    };
     Impl impl{"dense", [&s, run](int i) { s.last_float = false; run(i, nullptr); }, output};
     impl.graph_ms_per_call = [run, sets, reps](int) { return graph_ms_per_call(run, sets, reps); };
     impls.push_back(std::move(impl));
   }
-  impls.push_back({"twell", [&s, rows](int i) { s.last_float = false; s.twell->run(s.inputs[i].get(), rows, s.weights, s.y_bf16.get()); },
+  impls.push_back({"twell",
+                   [&s, rows](int i) {
+                     s.last_float = false;
+                     s.twell->run(s.inputs[i].get(), rows, s.weights[s.take_copy()], s.y_bf16.get());
+                   },
                    output});
   for (const PredictorConfig& predictor : predictors) {
     auto run = [&s, rows, &predictor](int i, cudaStream_t stream) {
-      s.layer->run(s.inputs[i].get(), rows, predictor, s.y_float.get(), stream);
+      s.layers[s.take_copy()]->run(s.inputs[i].get(), rows, predictor, s.y_float.get(), stream);
     };
     Impl impl{"predict-" + to_string(predictor.kind), [&s, run](int i) { s.last_float = true; run(i, nullptr); }, output,
               &predictor};
     impl.run_counting_misses = [&s, rows, &predictor](int i) {
-      s.layer->stats(nullptr);  // drop the counts of the timed runs
-      s.layer->run(s.inputs[i].get(), rows, predictor, s.y_float.get(), nullptr, {.count_missed = true});
-      return s.layer->stats(nullptr);
+      for (const auto& layer : s.layers) layer->stats(nullptr);  // drop the counts of the timed runs
+      s.layers[0]->run(s.inputs[i].get(), rows, predictor, s.y_float.get(), nullptr, {.count_missed = true});
+      return s.layers[0]->stats(nullptr);
     };
     impl.graph_ms_per_call = [run, sets, reps](int) { return graph_ms_per_call(run, sets, reps); };
     impls.push_back(std::move(impl));
@@ -432,6 +450,7 @@ void run_decode_bench(const DecodeBenchOptions& options) {
                       {"floor_bytes", floor_bytes}, {"copy_bandwidth_gb_per_s", copy_bandwidth * 1e-9},
                       {"floor_fraction_of_copy_bandwidth", floor_bytes / copy_bandwidth / (timing.median_ms * 1e-3)},
                       {"input_sets", options.input_sets}};
+      if (on_cuda) record.extra["weight_copies"] = options.weight_copies;
       if (graph_ms > 0) {
         record.extra["graph_ms_per_call"] = graph_ms;
         if (dense_graph_ms > 0) record.extra["graph_speedup_vs_dense"] = dense_graph_ms / graph_ms;
@@ -514,6 +533,11 @@ void add_bench_decode(CLI::App& bench) {
                       "none)")
       ->capture_default_str()
       ->check(CLI::Range(0, kMaxExactColumns));
+  command->add_option("--weight-copies", options->weight_copies,
+                      "CUDA: copies of the weights taken in turn call by call (enough to exceed the L2: every call "
+                      "finds its weights in DRAM, as a model's layers do)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 64));
   command->callback([options] { run_decode_bench(*options); });
 }
 
