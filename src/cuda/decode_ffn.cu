@@ -273,8 +273,10 @@ __device__ __forceinline__ void score_part(const DecodeParams& p, const uint32_t
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int neuron = group + (i >= 2 ? 8 : 0), token = kTokenTile * tile + quad * 2 + (i & 1);
-        partial[((part * kPlanes + plane) * kTileNeurons + neuron) * kTokens + token] =
-            acc[0][tile][plane][i] + (kChains == 2 ? acc[kChains - 1][tile][plane][i] : 0.0f);
+        float sum = 0.0f;
+#pragma unroll
+        for (int chain = 0; chain < kChains; ++chain) sum += acc[chain][tile][plane][i];
+        partial[((part * kPlanes + plane) * kTileNeurons + neuron) * kTokens + token] = sum;
       }
     // x·xᵀ's diagonal: token 8·tile + group sits at row 8·tile + group, column group of token tile `tile`.
     if (kNormalized && quad == group >> 1)
