@@ -15,6 +15,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <vector>
@@ -58,6 +59,11 @@ class L2Evictor {
   DeviceArray<uint4> buffer_;
   DeviceArray<unsigned> sink_;
 };
+// Benchmarks: milliseconds per call of `calls` calls of run(i, stream) (i = 0 .. calls-1) captured in
+// one CUDA graph, the median over `reps` replays after 3 warm-up replays. A graph of calls is how a
+// decode step runs them: launch gaps as small as they get, the next call's programmatic launch
+// overlapping this one's end.
+double graph_ms_per_call(const std::function<void(int, cudaStream_t)>& run, int calls, int reps);
 // Uploads fp32 host values as bf16 (round to nearest even).
 DeviceArray<bf16> upload_bf16(const float* host, size_t count, cudaStream_t stream = nullptr);
 std::vector<float> download_bf16(const bf16* device, size_t count, cudaStream_t stream = nullptr);

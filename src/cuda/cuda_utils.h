@@ -94,4 +94,26 @@ const DeviceFacts& device_facts();
 // True when a CUDA device can be used; tests skip cleanly when false.
 bool gpu_available();
 
+// Launches `kernel` as a programmatic dependent launch (PDL): it may start while the stream's previous
+// kernel is still ending. The kernel must call wait_for_previous_grid() (cuda/warp_math.cuh) before it
+// reads or writes anything the previous kernels touch, and may call allow_dependent_grids() once every
+// block is past that wait, so the next launch overlaps it in turn. Before the wait it may read only
+// data no kernel of the stream writes (weights), which is the point: a decode step's small kernels
+// then load their weights while the kernel before them finishes.
+template <typename... Params, typename... Args>
+void launch_programmatic(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream,
+                         Args&&... args) {
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = shared_bytes;
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  TWELL_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
 }  // namespace twell::cuda

@@ -644,20 +644,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) decode_ffn_kernel(D
 // and 16; without the early trigger in the kernel, 0.2-0.3 us.
 template <PredictorKind kKind>
 void launch(const DecodeParams& p, int tiles, cudaStream_t stream) {
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(tiles));
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = static_cast<size_t>(p.shared.bytes());
-  config.stream = stream;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
+  const auto shared = static_cast<size_t>(p.shared.bytes());
   if (p.rows > kTokenTile)
-    TWELL_CUDA_CHECK(cudaLaunchKernelEx(&config, decode_ffn_kernel<kKind, 2>, p));
+    launch_programmatic(decode_ffn_kernel<kKind, 2>, dim3(tiles), dim3(kThreads), shared, stream, p);
   else
-    TWELL_CUDA_CHECK(cudaLaunchKernelEx(&config, decode_ffn_kernel<kKind, 1>, p));
+    launch_programmatic(decode_ffn_kernel<kKind, 1>, dim3(tiles), dim3(kThreads), shared, stream, p);
 }
 
 // Lets both kernels of a kind take `shared` bytes of dynamic shared memory (beyond the default 48 KiB

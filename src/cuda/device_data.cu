@@ -49,6 +49,38 @@ void L2Evictor::run(cudaStream_t stream) const {
   TWELL_CUDA_CHECK_LAUNCH();
 }
 
+double graph_ms_per_call(const std::function<void(int, cudaStream_t)>& run, int calls, int reps) {
+  cudaStream_t stream;
+  TWELL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  TWELL_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  for (int i = 0; i < calls; ++i) run(i, stream);
+  TWELL_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec;
+  TWELL_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  cudaEvent_t start, stop;
+  TWELL_CUDA_CHECK(cudaEventCreate(&start));
+  TWELL_CUDA_CHECK(cudaEventCreate(&stop));
+  for (int i = 0; i < 3; ++i) TWELL_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  std::vector<double> samples;
+  for (int i = 0; i < reps; ++i) {
+    TWELL_CUDA_CHECK(cudaEventRecord(start, stream));
+    TWELL_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    TWELL_CUDA_CHECK(cudaEventRecord(stop, stream));
+    TWELL_CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    TWELL_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    samples.push_back(ms / calls);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+  std::sort(samples.begin(), samples.end());
+  return samples[samples.size() / 2];
+}
+
 void copy_to_device(void* device, const void* host, size_t bytes, cudaStream_t stream) {
   if (bytes == 0) return;
   TWELL_CUDA_CHECK(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, stream));

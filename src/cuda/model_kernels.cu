@@ -38,11 +38,21 @@ __device__ float block_reduce(float value, float* scratch) {
   return value;
 }
 
+// Every kernel here but decode attention is a programmatic dependent launch (launch_programmatic,
+// cuda_utils.h) that reads only activations: it waits for the previous kernel before anything else
+// and then lets the next launch begin (whose blocks wait in turn), so a launch's start overlaps the
+// end of the kernel before it. A decode step is a chain of such small kernels.
+__device__ __forceinline__ void begin_programmatic() {
+  wait_for_previous_grid();
+  allow_dependent_grids();
+}
+
 unsigned grid_for(int64_t count) {
   return static_cast<unsigned>(std::min<int64_t>((count + kThreads - 1) / kThreads, int64_t{device_facts().sm_count} * 32));
 }
 
 __global__ void embed_kernel(const int32_t* tokens, const bf16* table, int32_t d_model, float* hidden) {
+  begin_programmatic();
   const bf16* row = table + static_cast<int64_t>(tokens[blockIdx.x]) * d_model;
   float* out = hidden + static_cast<int64_t>(blockIdx.x) * d_model;
   for (int32_t k = threadIdx.x; k < d_model; k += blockDim.x) out[k] = to_float(row[k]);
@@ -50,6 +60,7 @@ __global__ void embed_kernel(const int32_t* tokens, const bf16* table, int32_t d
 
 __global__ void rms_norm_kernel(const float* x, int64_t first, int64_t step, int32_t d_model, const float* weight,
                                 float eps, bf16* y) {
+  begin_programmatic();
   __shared__ float scratch[32];
   const float* row = x + (first + blockIdx.x * step) * d_model;
   float sum_squares = 0;
@@ -64,6 +75,7 @@ __global__ void rms_norm_kernel(const float* x, int64_t first, int64_t step, int
 // of the row). At one decode row a single block looping over the row spent ~17 us on the angles.
 __global__ void qkv_rope_kernel(const bf16* qkv, const float* bias, AttentionShape s, const int32_t* length,
                                 float rope_theta, bf16* q, bf16* k_cache, bf16* v_cache) {
+  begin_programmatic();
   const int32_t r = blockIdx.x, b = r / s.tokens, t = r % s.tokens;
   const int32_t position = *length + t;
   const int32_t dh = s.head_dim, half = dh / 2;
@@ -95,6 +107,7 @@ __global__ void qkv_rope_kernel(const bf16* qkv, const float* bias, AttentionSha
 
 __global__ void causal_softmax_kernel(const float* scores, int32_t tokens, int32_t start, int32_t ld, float scale,
                                       bf16* probs) {
+  begin_programmatic();
   __shared__ float scratch[32];
   const int64_t row = blockIdx.x;
   const int32_t visible = start + static_cast<int32_t>(row % tokens) + 1;
@@ -112,6 +125,7 @@ __global__ void causal_softmax_kernel(const float* scores, int32_t tokens, int32
 }
 
 __global__ void heads_to_tokens_kernel(const bf16* in, AttentionShape s, int64_t count, bf16* out) {
+  begin_programmatic();
   for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < count; e += int64_t{gridDim.x} * blockDim.x) {
     // in [B, H, n, Dh]
     const int64_t d = e % s.head_dim, t = (e / s.head_dim) % s.tokens;
@@ -190,6 +204,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
 
 template <typename T>
 __global__ void add_residual_kernel(float* hidden, const T* y, int64_t count) {
+  begin_programmatic();
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count; i += int64_t{gridDim.x} * blockDim.x) {
     if constexpr (sizeof(T) == 2)
       hidden[i] += to_float(y[i]);
@@ -200,6 +215,7 @@ __global__ void add_residual_kernel(float* hidden, const T* y, int64_t count) {
 
 __global__ void argmax_kernel(const float* logits, int32_t vocab, const int32_t* length, int32_t* next, int32_t* history,
                               int32_t history_stride) {
+  begin_programmatic();
   __shared__ float best_values[kThreads];
   __shared__ int32_t best_ids[kThreads];
   const float* row = logits + static_cast<int64_t>(blockIdx.x) * vocab;
@@ -231,18 +247,23 @@ __global__ void argmax_kernel(const float* logits, int32_t vocab, const int32_t*
   }
 }
 
-__global__ void advance_length_kernel(int32_t* length, int32_t n) { *length += n; }
+__global__ void advance_length_kernel(int32_t* length, int32_t n) {
+  begin_programmatic();
+  *length += n;
+}
 
 }  // namespace
 
 void embed(const int32_t* tokens, int64_t rows, const bf16* table, int32_t d_model, float* hidden, cudaStream_t stream) {
-  embed_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(tokens, table, d_model, hidden);
+  launch_programmatic(embed_kernel, dim3(static_cast<unsigned>(rows)), dim3(kThreads), 0, stream, tokens, table, d_model,
+                      hidden);
   TWELL_CUDA_CHECK_LAUNCH();
 }
 
 void rms_norm(const float* x, int64_t rows, int64_t first, int64_t step, int32_t d_model, const float* weight, float eps,
               bf16* y, cudaStream_t stream) {
-  rms_norm_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(x, first, step, d_model, weight, eps, y);
+  launch_programmatic(rms_norm_kernel, dim3(static_cast<unsigned>(rows)), dim3(kThreads), 0, stream, x, first, step,
+                      d_model, weight, eps, y);
   TWELL_CUDA_CHECK_LAUNCH();
 }
 
@@ -251,20 +272,21 @@ void qkv_rope(const bf16* qkv, const float* bias, const AttentionShape& shape, c
   const auto rows = static_cast<unsigned>(int64_t{shape.batch} * shape.tokens);
   const int32_t items = (shape.n_heads + shape.n_kv_heads) * (shape.head_dim / 2) + shape.n_kv_heads * shape.head_dim;
   const dim3 grid(rows, static_cast<unsigned>((items + kRopeThreads - 1) / kRopeThreads));
-  qkv_rope_kernel<<<grid, kRopeThreads, 0, stream>>>(qkv, bias, shape, length, rope_theta, q, k_cache, v_cache);
+  launch_programmatic(qkv_rope_kernel, grid, dim3(kRopeThreads), 0, stream, qkv, bias, shape, length, rope_theta, q,
+                      k_cache, v_cache);
   TWELL_CUDA_CHECK_LAUNCH();
 }
 
 void causal_softmax(const float* scores, int64_t rows_total, int32_t tokens, int32_t start, int32_t ld, float scale,
                     bf16* probs, cudaStream_t stream) {
-  causal_softmax_kernel<<<static_cast<unsigned>(rows_total), kThreads, 0, stream>>>(scores, tokens, start, ld, scale,
-                                                                                     probs);
+  launch_programmatic(causal_softmax_kernel, dim3(static_cast<unsigned>(rows_total)), dim3(kThreads), 0, stream, scores,
+                      tokens, start, ld, scale, probs);
   TWELL_CUDA_CHECK_LAUNCH();
 }
 
 void heads_to_tokens(const bf16* in, const AttentionShape& shape, bf16* out, cudaStream_t stream) {
   const int64_t count = int64_t{shape.batch} * shape.n_heads * shape.tokens * shape.head_dim;
-  heads_to_tokens_kernel<<<grid_for(count), kThreads, 0, stream>>>(in, shape, count, out);
+  launch_programmatic(heads_to_tokens_kernel, dim3(grid_for(count)), dim3(kThreads), 0, stream, in, shape, count, out);
   TWELL_CUDA_CHECK_LAUNCH();
 }
 
@@ -291,24 +313,25 @@ void decode_attention(const bf16* q, const bf16* k_cache, const bf16* v_cache, c
 }
 
 void add_residual(float* hidden, const bf16* y, int64_t count, cudaStream_t stream) {
-  add_residual_kernel<<<grid_for(count), kThreads, 0, stream>>>(hidden, y, count);
+  launch_programmatic(add_residual_kernel<bf16>, dim3(grid_for(count)), dim3(kThreads), 0, stream, hidden, y, count);
   TWELL_CUDA_CHECK_LAUNCH();
 }
 
 void add_residual(float* hidden, const float* y, int64_t count, cudaStream_t stream) {
-  add_residual_kernel<<<grid_for(count), kThreads, 0, stream>>>(hidden, y, count);
+  launch_programmatic(add_residual_kernel<float>, dim3(grid_for(count)), dim3(kThreads), 0, stream, hidden, y,
+                      count);
   TWELL_CUDA_CHECK_LAUNCH();
 }
 
 void argmax_tokens(const float* logits, int32_t batch, int32_t vocab, const int32_t* length, int32_t* next,
                    int32_t* history, int32_t history_stride, cudaStream_t stream) {
-  argmax_kernel<<<static_cast<unsigned>(batch), kThreads, 0, stream>>>(logits, vocab, length, next, history,
-                                                                        history_stride);
+  launch_programmatic(argmax_kernel, dim3(static_cast<unsigned>(batch)), dim3(kThreads), 0, stream, logits, vocab, length,
+                      next, history, history_stride);
   TWELL_CUDA_CHECK_LAUNCH();
 }
 
 void advance_length(int32_t* length, int32_t n, cudaStream_t stream) {
-  advance_length_kernel<<<1, 1, 0, stream>>>(length, n);
+  launch_programmatic(advance_length_kernel, dim3(1), dim3(1), 0, stream, length, n);
   TWELL_CUDA_CHECK_LAUNCH();
 }
 

@@ -5,6 +5,7 @@
 #include <set>
 
 #include "cuda/cuda_utils.h"
+#include "cuda/decode_gemv.h"
 #include "cuda/gemm.h"
 #include "cuda/model_kernels.h"
 #include "cuda/prefill_attention.h"
@@ -148,9 +149,17 @@ struct CudaModel::Impl {
       DeviceLayer& layer = layers[index];
       bf16* k_layer = k_cache.data() + index * cache_layer_elements();
       bf16* v_layer = v_cache.data() + index * cache_layer_elements();
-      mk::rms_norm(hidden.data(), rows, 0, 1, c.d_model, layer.attn_norm.get(), eps, normed.data(), stream);
-      gemm.run(rows, qkv_width(), d, {normed.data(), d, false}, {layer.wqkv.get(), d, true}, qkv.data(), qkv_width(),
-               GemmOutput::bf16, 0.0f, stream);
+      // A decode step's projections read their weights once (GEMVs); the QKV one normalizes its input itself.
+      const bool gemv = rows <= kDecodeGemvMaxRows && d % 8 == 0 && q_dim() % 8 == 0;
+      if (gemv) {
+        decode_gemv(static_cast<int32_t>(rows), static_cast<int32_t>(qkv_width()), c.d_model,
+                    GemvInput::rms_norm(hidden.data(), layer.attn_norm.get(), eps), layer.wqkv.get(), qkv.data(),
+                    GemvOutput::bf16, stream);
+      } else {
+        mk::rms_norm(hidden.data(), rows, 0, 1, c.d_model, layer.attn_norm.get(), eps, normed.data(), stream);
+        gemm.run(rows, qkv_width(), d, {normed.data(), d, false}, {layer.wqkv.get(), d, true}, qkv.data(),
+                 qkv_width(), GemmOutput::bf16, 0.0f, stream);
+      }
       mk::qkv_rope(qkv.data(), layer.bqkv.get(), shape, length_device.data(), static_cast<float>(c.rope_theta), q.data(),
                    k_layer, v_layer, stream);
       if (n == 1)
@@ -160,8 +169,12 @@ struct CudaModel::Impl {
       else
         gemm_attention.run(gemm, q.data(), k_layer, v_layer, shape, length, scale, attention.data(), stream);
       // h [rows, D] += attention [rows, H_q·Dh] · Wo^T, accumulated in fp32 by the GEMM
-      gemm.run(rows, d, q_dim(), {attention.data(), q_dim(), false}, {layer.wo.get(), q_dim(), true}, hidden.data(), d,
-               GemmOutput::f32, 1.0f, stream);
+      if (gemv)
+        decode_gemv(static_cast<int32_t>(rows), c.d_model, static_cast<int32_t>(q_dim()),
+                    GemvInput::rows(attention.data()), layer.wo.get(), hidden.data(), GemvOutput::f32_add, stream);
+      else
+        gemm.run(rows, d, q_dim(), {attention.data(), q_dim(), false}, {layer.wo.get(), q_dim(), true}, hidden.data(),
+                 d, GemmOutput::f32, 1.0f, stream);
       mk::rms_norm(hidden.data(), rows, 0, 1, c.d_model, layer.ffn_norm.get(), eps, normed.data(), stream);
       ffn(index, n);
     }

@@ -225,25 +225,11 @@ double event_ms(cudaStream_t stream, const std::function<void()>& fn) {
   return ms;
 }
 
-// Captures kGraphCalls calls of run(input, stream) (inputs rotating) and returns ms per call of the
-// replayed graph (median of `reps` replays).
-double graph_ms_per_call(const std::function<void(int, cudaStream_t)>& run, int input_sets, int reps) {
-  cudaStream_t stream;
-  BENCH_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cudaGraph_t graph;
-  BENCH_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  for (int i = 0; i < kGraphCalls; ++i) run(i % input_sets, stream);
-  BENCH_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  cudaGraphExec_t exec;
-  BENCH_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int i = 0; i < 3; ++i) BENCH_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-  std::vector<double> samples;
-  for (int i = 0; i < reps; ++i)
-    samples.push_back(event_ms(stream, [&] { BENCH_CUDA_CHECK(cudaGraphLaunch(exec, stream)); }) / kGraphCalls);
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
-  return summarize_ms(samples).median_ms;
+// ms per call of kGraphCalls calls of run(input set, stream) replayed in a graph, the sets in turn.
+std::function<double(int)> graph_timer(std::function<void(int, cudaStream_t)> run, int sets, int reps) {
+  return [run, sets, reps](int) {
+    return cuda::graph_ms_per_call([&](int call, cudaStream_t stream) { run(call % sets, stream); }, kGraphCalls, reps);
+  };
 }
 
 struct CudaState {
@@ -290,7 +276,7 @@ std::vector<Impl> cuda_impls(CudaState& s, const std::vector<std::vector<float>>
       s.dense.run(s.inputs[i].get(), rows, s.weights[s.take_copy()], s.y_bf16.get(), stream);
     };
     Impl impl{"dense", [&s, run](int i) { s.last_float = false; run(i, nullptr); }, output};
-    impl.graph_ms_per_call = [run, sets, reps](int) { return graph_ms_per_call(run, sets, reps); };
+    impl.graph_ms_per_call = graph_timer(run, sets, reps);
     impls.push_back(std::move(impl));
   }
   impls.push_back({"twell",
@@ -310,7 +296,7 @@ std::vector<Impl> cuda_impls(CudaState& s, const std::vector<std::vector<float>>
       s.layers[0]->run(s.inputs[i].get(), rows, predictor, s.y_float.get(), nullptr, {.count_missed = true});
       return s.layers[0]->stats(nullptr);
     };
-    impl.graph_ms_per_call = [run, sets, reps](int) { return graph_ms_per_call(run, sets, reps); };
+    impl.graph_ms_per_call = graph_timer(run, sets, reps);
     impls.push_back(std::move(impl));
   }
   return impls;

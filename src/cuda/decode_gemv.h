@@ -1,0 +1,45 @@
+// The decode step's projections (src/cuda/decode_gemv.cu): y [M, N] = x [M, K] · Wᵀ for the few rows
+// of a decode step, W [N, K] bf16 row-major (a linear layer's weight as checkpoints store it). A
+// GEMV is bound by the bytes of W; cuBLASLt's kernels for M = 1 stream them at 1.3-2.6 TB/s on an
+// H200 (docs/perf-notes.md), this one is written to stream them at the copy rate. Optionally the
+// input is the RMSNorm of the fp32 residual stream, computed by every block for itself (one kernel
+// instead of two), and the output is added into the fp32 residual stream.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "twell/bf16.h"
+
+namespace twell::cuda {
+
+// Rows (tokens) one call takes.
+constexpr int32_t kDecodeGemvMaxRows = 4;
+
+// x: either bf16 rows [M, K], or the RMSNorm of fp32 rows: bf16(weight ⊙ h / sqrt(mean(h²) + eps)),
+// rounded as model_kernels::rms_norm rounds it.
+struct GemvInput {
+  const bf16* x = nullptr;              // [M, K], or null when normalizing
+  const float* hidden = nullptr;        // [M, K]
+  const float* norm_weight = nullptr;   // [K]
+  float eps = 0.0f;
+
+  static GemvInput rows(const bf16* x) { return {x, nullptr, nullptr, 0.0f}; }
+  static GemvInput rms_norm(const float* hidden, const float* weight, float eps) {
+    return {nullptr, hidden, weight, eps};
+  }
+};
+
+enum class GemvOutput {
+  bf16,           // y: bf16 [M, N]
+  f32_add,        // y: fp32 [M, N], y += x · Wᵀ
+};
+
+// 1 <= rows <= kDecodeGemvMaxRows, K a multiple of 8, W and x 16-byte aligned (hidden too when
+// normalizing). Launched as a programmatic dependent launch (cuda_utils.h): its blocks pull their
+// slice of W into the L2 before waiting for the previous kernel.
+void decode_gemv(int32_t rows, int32_t n, int32_t k, const GemvInput& input, const bf16* w, void* y,
+                 GemvOutput output, cudaStream_t stream);
+
+}  // namespace twell::cuda
