@@ -27,11 +27,13 @@ namespace {
 namespace mk = cuda::model_kernels;
 
 // The kernel rounds only its output to bf16 (inputs are bf16 values, exact in the reference; scores,
-// exponentials and P·V stay fp32, probabilities unrounded): every element is within 2^-9 = 1.95e-3 of
-// its fp32 value relatively, so the whole output's and any row's relative L2 error is too, plus the
-// fp32 error (~1e-5 at these lengths). A position leaking across the mask or a split lost or counted
-// twice moves a row by far more.
-constexpr double kTolerance = 2.5e-3;
+// exponentials and P·V stay fp32, probabilities unrounded). Round to nearest with 8 significant bits
+// moves an element by at most 2^-8 = 3.9e-3 of itself, so no row's relative L2 error, nor the whole
+// output's, exceeds 2^-8 plus the fp32 error (~1e-5 at these lengths: ~4·10^3 terms of relative
+// error 2^-24 summed in random directions). A position leaking across the mask, or a split lost or
+// counted twice, moves a row by far more: the output is a sum of random values, so dropping 16 of
+// 4097 similarly weighted positions moves it by about sqrt(16/4097) = 6%.
+constexpr double kTolerance = 4.5e-3;
 
 struct DecodeCase {
   std::string name;

@@ -122,13 +122,13 @@ bool run_shape(const DecodeShape& d, int reps, const cuda::L2Evictor& evictor) {
   call(0, nullptr);
   TWELL_CUDA_CHECK(cudaDeviceSynchronize());
 
-  // Only the output is rounded (to bf16): within 2^-9 relatively, plus fp32 error (tests/test_decode_attention_cuda.cpp).
+  // Only the output is rounded (to bf16): within 2^-8 relatively, plus fp32 error (tests/test_decode_attention_cuda.cpp).
   const std::vector<double> expected =
       ref::causal_attention(q_host.data(), keys_host.data(), values_host.data(),
                             {d.batch, 1, d.n_heads, d.n_heads, dh, stride, d.length}, 1.0 / std::sqrt(static_cast<double>(dh)));
   const std::vector<float> got = cuda::download_bf16(out.get(), q_elements);
   const double error = relative_l2_error(got.data(), expected.data(), expected.size());
-  const bool ok = error < 2.5e-3;
+  const bool ok = error < 4.5e-3;
 
   const TimingStats dram = time_graph(reps, kCallsPerGraph, call, &evictor);
   const TimingStats l2 = time_graph(reps, 1, call, nullptr);
