@@ -26,14 +26,13 @@ inline std::vector<float> random_bf16(int64_t count, uint64_t seed, double stdde
 
 // got and expected [rows, Dh]: the whole output's relative L2 error under `tolerance`, and the
 // worst of its rows' (one (token, head) each) under `row_tolerance`; a NaN anywhere fails both.
-inline void expect_attention_close(const std::vector<float>& got, const std::vector<double>& expected,
-                                   int32_t head_dim, double tolerance, double row_tolerance, const std::string& label) {
+inline void expect_attention_close(const std::vector<float>& got, const std::vector<double>& expected, int32_t head_dim,
+                                   double tolerance, double row_tolerance, const std::string& label) {
   ASSERT_EQ(got.size(), expected.size()) << label;
   const double error = relative_l2_error(got.data(), expected.data(), got.size());
   double worst_row = 0;
   for (size_t row = 0; row < got.size() / head_dim; ++row) {
-    const double row_error =
-        relative_l2_error(got.data() + row * head_dim, expected.data() + row * head_dim, head_dim);
+    const double row_error = relative_l2_error(got.data() + row * head_dim, expected.data() + row * head_dim, head_dim);
     worst_row = std::isnan(row_error) ? row_error : std::max(worst_row, row_error);
     if (std::isnan(worst_row)) break;
   }

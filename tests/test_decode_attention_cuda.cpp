@@ -72,8 +72,8 @@ class DecodeBuffers {
     upload(values_.get(), values);
     cuda::copy_to_device(length_.get(), &length, sizeof(int32_t));
     TWELL_CUDA_CHECK(cudaMemset(out_.get(), 0xff, q_elements_ * sizeof(bf16)));
-    const ref::CachedAttentionShape ref_shape{shape_.batch,    1, shape_.n_heads, shape_.n_kv_heads, shape_.head_dim,
-                                              shape_.cache_stride, length};
+    const ref::CachedAttentionShape ref_shape{
+        shape_.batch, 1, shape_.n_heads, shape_.n_kv_heads, shape_.head_dim, shape_.cache_stride, length};
     return ref::causal_attention(q.data(), keys.data(), values.data(), ref_shape, scale());
   }
 
@@ -95,10 +95,10 @@ class DecodeBuffers {
 
   mk::AttentionShape shape_;
   int64_t q_elements_, cache_elements_;
-  cuda::DeviceArray<bf16> q_;       // [B, H_q, Dh]
-  cuda::DeviceArray<bf16> keys_;    // [B, H_kv, cache_stride, Dh]
-  cuda::DeviceArray<bf16> values_;  // [B, H_kv, cache_stride, Dh]
-  cuda::DeviceArray<bf16> out_;     // [B, H_q·Dh]
+  cuda::DeviceArray<bf16> q_;          // [B, H_q, Dh]
+  cuda::DeviceArray<bf16> keys_;       // [B, H_kv, cache_stride, Dh]
+  cuda::DeviceArray<bf16> values_;     // [B, H_kv, cache_stride, Dh]
+  cuda::DeviceArray<bf16> out_;        // [B, H_q·Dh]
   cuda::DeviceArray<int32_t> length_;  // [1]
   size_t workspace_bytes_;
   cuda::DeviceArray<std::byte> workspace_;
@@ -139,8 +139,8 @@ TEST_P(DecodeAttention, GraphReplayFollowsDeviceLength) {
   TWELL_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
   buffers.enqueue(stream);
   TWELL_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  const std::unique_ptr<std::remove_pointer_t<cudaGraph_t>, decltype(&cudaGraphDestroy)> graph_owner(
-      graph, cudaGraphDestroy);
+  const std::unique_ptr<std::remove_pointer_t<cudaGraph_t>, decltype(&cudaGraphDestroy)> graph_owner(graph,
+                                                                                                     cudaGraphDestroy);
   cudaGraphExec_t replay = nullptr;
   TWELL_CUDA_CHECK(cudaGraphInstantiate(&replay, graph, 0));
   const std::unique_ptr<std::remove_pointer_t<cudaGraphExec_t>, decltype(&cudaGraphExecDestroy)> replay_owner(

@@ -102,7 +102,8 @@ bool run_shape(const DecodeShape& d, int reps, const cuda::L2Evictor& evictor) {
     const cuda::DeviceArray<bf16> keys0 = cuda::upload_bf16(keys_host.data(), keys_host.size()),
                                   values0 = cuda::upload_bf16(values_host.data(), values_host.size());
     for (int copy = 0; copy < kCallsPerGraph; ++copy) {
-      TWELL_CUDA_CHECK(cudaMemcpy(keys.get() + copy * cache_elements, keys0.get(), cache_bytes, cudaMemcpyDeviceToDevice));
+      TWELL_CUDA_CHECK(
+          cudaMemcpy(keys.get() + copy * cache_elements, keys0.get(), cache_bytes, cudaMemcpyDeviceToDevice));
       TWELL_CUDA_CHECK(
           cudaMemcpy(values.get() + copy * cache_elements, values0.get(), cache_bytes, cudaMemcpyDeviceToDevice));
     }
@@ -122,10 +123,11 @@ bool run_shape(const DecodeShape& d, int reps, const cuda::L2Evictor& evictor) {
   call(0, nullptr);
   TWELL_CUDA_CHECK(cudaDeviceSynchronize());
 
-  // Only the output is rounded (to bf16): within 2^-8 relatively, plus fp32 error (tests/test_decode_attention_cuda.cpp).
-  const std::vector<double> expected =
-      ref::causal_attention(q_host.data(), keys_host.data(), values_host.data(),
-                            {d.batch, 1, d.n_heads, d.n_heads, dh, stride, d.length}, 1.0 / std::sqrt(static_cast<double>(dh)));
+  // Only the output is rounded (to bf16): within 2^-8 relatively, plus fp32 error
+  // (tests/test_decode_attention_cuda.cpp).
+  const std::vector<double> expected = ref::causal_attention(q_host.data(), keys_host.data(), values_host.data(),
+                                                             {d.batch, 1, d.n_heads, d.n_heads, dh, stride, d.length},
+                                                             1.0 / std::sqrt(static_cast<double>(dh)));
   const std::vector<float> got = cuda::download_bf16(out.get(), q_elements);
   const double error = relative_l2_error(got.data(), expected.data(), expected.size());
   const bool ok = error < 4.5e-3;
@@ -133,11 +135,12 @@ bool run_shape(const DecodeShape& d, int reps, const cuda::L2Evictor& evictor) {
   const TimingStats dram = time_graph(reps, kCallsPerGraph, call, &evictor);
   const TimingStats l2 = time_graph(reps, 1, call, nullptr);
   const double bytes = 2.0 * d.batch * d.n_heads * visible * dh * sizeof(bf16);  // K and V read
-  std::printf("B %d H %2d Dh %d length %4d  splits %3d  check %.2e %s  K+V %6.2f MB  dram %6.2f us (p10 %.2f, p90 %.2f) "
-              "%6.0f GB/s  l2 %6.2f us\n",
-              d.batch, d.n_heads, dh, d.length, mk::decode_attention_splits(shape), error, ok ? "ok" : "FAILED",
-              bytes * 1e-6, dram.median_ms * 1e3, dram.p10_ms * 1e3, dram.p90_ms * 1e3,
-              bytes / (dram.median_ms * 1e-3) * 1e-9, l2.median_ms * 1e3);
+  std::printf(
+      "B %d H %2d Dh %d length %4d  splits %3d  check %.2e %s  K+V %6.2f MB  dram %6.2f us (p10 %.2f, p90 %.2f) "
+      "%6.0f GB/s  l2 %6.2f us\n",
+      d.batch, d.n_heads, dh, d.length, mk::decode_attention_splits(shape), error, ok ? "ok" : "FAILED", bytes * 1e-6,
+      dram.median_ms * 1e3, dram.p10_ms * 1e3, dram.p90_ms * 1e3, bytes / (dram.median_ms * 1e-3) * 1e-9,
+      l2.median_ms * 1e3);
   return ok;
 }
 

@@ -143,8 +143,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
     decode_attention_kernel(const bf16* q, const bf16* k_cache, const bf16* v_cache, AttentionShape s,
                             const int32_t* length, float scale, float* split_results, uint32_t* arrivals, bf16* out) {
   __shared__ float scratch[32];
-  __shared__ float group_sums[kDecodeThreads * 8];       // [rows_per_pass, Dh] P·V of each lane group
-  __shared__ float split_weights[kDecodeMaxSplits];      // exp(split max - max over the splits)
+  __shared__ float group_sums[kDecodeThreads * 8];   // [rows_per_pass, Dh] P·V of each lane group
+  __shared__ float split_weights[kDecodeMaxSplits];  // exp(split max - max over the splits)
   __shared__ bool is_last;
   const int32_t dh = s.head_dim;
   const int32_t pieces = dh / 8;  // lanes per row: a power of two <= 32 (checked by the launcher)
@@ -248,7 +248,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
       block_reduce<false>(i < active_splits ? weight * __ldcg(head_results + i * result_floats + 1) : 0.0f, scratch);
   for (int32_t d = threadIdx.x; d < dh; d += blockDim.x) {
     float sum = 0;
-    for (int32_t k = 0; k < active_splits; ++k) sum += split_weights[k] * __ldcg(head_results + k * result_floats + 2 + d);
+    for (int32_t k = 0; k < active_splits; ++k)
+      sum += split_weights[k] * __ldcg(head_results + k * result_floats + 2 + d);
     head_out[d] = to_bf16(sum / total);
   }
 }
@@ -343,7 +344,8 @@ int32_t decode_attention_splits(const AttentionShape& shape) {
   // SMs idle; never more splits than a cache of cache_stride positions can fill, a pass each.
   static const int64_t resident_blocks = [] {
     int per_sm = 0;
-    TWELL_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_attention_kernel, kDecodeThreads, 0));
+    TWELL_CUDA_CHECK(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_attention_kernel, kDecodeThreads, 0));
     return int64_t{per_sm} * device_facts().sm_count;
   }();
   const int64_t heads = int64_t{shape.batch} * shape.n_heads;
@@ -362,18 +364,20 @@ size_t decode_attention_workspace_bytes(const AttentionShape& shape) {
 void decode_attention(const bf16* q, const bf16* k_cache, const bf16* v_cache, const AttentionShape& shape,
                       const int32_t* length, float scale, bf16* out, void* workspace, size_t workspace_bytes,
                       cudaStream_t stream) {
-  TWELL_REQUIRE(decode_attention_supports(shape.head_dim), "decode_attention: head_dim must be 8·2^i up to 256, got {}",
-                shape.head_dim);
+  TWELL_REQUIRE(decode_attention_supports(shape.head_dim),
+                "decode_attention: head_dim must be 8·2^i up to 256, got {}", shape.head_dim);
   TWELL_REQUIRE(shape.tokens == 1, "decode_attention: one token per sequence, got {}", shape.tokens);
   TWELL_REQUIRE(shape.n_kv_heads > 0 && shape.n_heads % shape.n_kv_heads == 0,
-                "decode_attention: n_heads ({}) must be a multiple of n_kv_heads ({})", shape.n_heads, shape.n_kv_heads);
+                "decode_attention: n_heads ({}) must be a multiple of n_kv_heads ({})", shape.n_heads,
+                shape.n_kv_heads);
   const size_t needed = decode_attention_workspace_bytes(shape);
   TWELL_REQUIRE(workspace_bytes >= needed, "decode_attention: workspace of {} bytes, {} needed", workspace_bytes,
                 needed);
   const int32_t splits = decode_attention_splits(shape);
   const auto heads = static_cast<unsigned>(shape.batch * shape.n_heads);
   auto* split_results = static_cast<float*>(workspace);  // [B·H_q, splits, Dh + 2]
-  auto* arrivals = reinterpret_cast<uint32_t*>(split_results + size_t{heads} * splits * (shape.head_dim + 2));  // [B·H_q]
+  auto* arrivals =                                       // [B·H_q]
+      reinterpret_cast<uint32_t*>(split_results + size_t{heads} * splits * (shape.head_dim + 2));
   decode_attention_kernel<<<dim3(heads, static_cast<unsigned>(splits)), kDecodeThreads, 0, stream>>>(
       q, k_cache, v_cache, shape, length, scale, split_results, arrivals, out);
   TWELL_CUDA_CHECK_LAUNCH();

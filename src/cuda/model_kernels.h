@@ -46,8 +46,8 @@ void heads_to_tokens(const bf16* in, const AttentionShape& shape, bf16* out, cud
 // One decode step (n = 1): out [B, H_q·Dh] bf16 = softmax(scale·q·K^T)·V over positions 0 ..= *length
 // of each sequence's cache, q [B, H_q, Dh] bf16, any *length < cache_stride. Dh must pass
 // decode_attention_supports, H_q be a multiple of H_kv. `workspace` holds at least
-// decode_attention_workspace_bytes(shape) bytes, zeroed once when allocated: it carries per-split
-// results and arrival counters that each call leaves zero again, so a captured call replays as is.
+// decode_attention_workspace_bytes(shape) bytes, zeroed once when allocated: it holds the per-split
+// results and per-head arrival counters, which each call leaves zero again (a captured call replays as is).
 void decode_attention(const bf16* q, const bf16* k_cache, const bf16* v_cache, const AttentionShape& shape,
                       const int32_t* length, float scale, bf16* out, void* workspace, size_t workspace_bytes,
                       cudaStream_t stream);
