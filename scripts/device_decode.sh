@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
-# One device call for the decode path (src/cuda/decode_ffn.cu and the model's batch-1 step): test,
-# sanitize, time, profile. Runs binaries built here and carried (the GPU machine builds nothing):
+# One device call for the decode path (src/cuda/decode_ffn.cu, the decode step's GEMV and attention,
+# the model's batch-1 step): test, sanitize, time the kernel labs and benches, profile. Runs binaries built here and carried (the GPU machine builds nothing):
 #   mkdir -p .carry/decode && cp build/tools/twell build/tests/twell_tests .carry/decode/
 #   strip .carry/decode/*; gzip -9 .carry/decode/*   (or all in one bins.tar.xz)
 #   run: scripts/device_decode.sh .carry/decode   (carry [".carry/decode"])
 # Other twell_* binaries beside twell (twell_base: main's build; variants built for a comparison) are
 # timed in the same call, so every variant has its baseline measured on the same machine.
 # One log ($OUT/device.log), the JSON records and the ncu source tables go to $OUT.
-# STEPS picks a subset: tests,sanitize,bench,model,ncu (default all but ncu; ncu serializes and
+# lab_* binaries beside them are run by the labs step (each checks, then times).
+# STEPS picks a subset: tests,sanitize,labs,bench,model,ncu (default all but ncu; ncu serializes and
 # locks the clocks, so its durations are for proportions, not for the notes' tables). With several
 # variants the whole set outlasts one 10-minute call: tests,sanitize,bench in one, model in the next
 # (each model run builds the synthetic 2B on the CPU first, about a minute).
 set -o pipefail
 bin=${1:-.carry/decode}
 out=${OUT:-/tmp/device_decode}
-steps=${STEPS:-tests,sanitize,bench,model}
+steps=${STEPS:-tests,sanitize,labs,bench,model}
 source "$(dirname "$0")/device/common.sh"
 log=$out/device.log
 
@@ -38,8 +39,8 @@ if step sanitize; then
   for tests in "$bin"/twell_tests*; do
     for tool in memcheck racecheck; do
       [[ $tool == racecheck && $tests != */twell_tests ]] && continue
-      (cd build/tests && timeout 90 "$sanitizer" --tool "$tool" --error-exitcode 3 "$tests" --gtest_brief=1 \
-        --gtest_filter='CudaFfn.DecodeLayerCallsInARow*:*DecodeTest.Accumulate*cuda*' > "/tmp/$tool.log" 2>&1)
+      (cd build/tests && timeout 150 "$sanitizer" --tool "$tool" --error-exitcode 3 "$tests" --gtest_brief=1 \
+        --gtest_filter='CudaFfn.DecodeLayerCallsInARow*:*DecodeTest.Accumulate*cuda*:*DecodeGemv*:*DecodeAttention*:CudaModelTest.GraphDecode*' > "/tmp/$tool.log" 2>&1)
       rc=$?
       [[ $rc == 0 ]] || status=1
       echo "$(basename "$tests") $tool: exit $rc; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "/tmp/$tool.log" |
@@ -50,6 +51,13 @@ fi
 if [[ $status != 0 ]]; then
   echo "tests or sanitizers failed: no timings" | tee -a "$log"
   exit $status
+fi
+if step labs; then
+  for lab in "$bin"/lab_*; do
+    [[ -x $lab ]] || continue
+    echo "== $(basename "$lab")" | tee -a "$log"
+    timeout 120 "$lab" 2>&1 | tail -n 20 | tee -a "$log" || status=1
+  done
 fi
 if step bench; then
   for twell in "$bin"/twell "$bin"/twell_*; do

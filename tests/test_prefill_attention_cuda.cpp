@@ -3,11 +3,11 @@
 // cache already holding `start` positions, GQA groups 1 and 4, batches of 3. Skipped without a GPU.
 #include <gtest/gtest.h>
 
-#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
 
+#include "attention_test_support.h"
 #include "cuda/prefill_attention.h"
 #include "cuda_test_support.h"
 #include "twell/error.h"
@@ -29,14 +29,6 @@ struct AttentionCase {
 constexpr double kTolerance = 1e-2;
 constexpr double kRowTolerance = 5e-2;
 
-// Random bf16 values (as floats) of standard deviation `stddev`: scores q·k/sqrt(Dh) of about that
-// squared, so the softmax rows are neither flat nor one-hot.
-std::vector<float> random_bf16(int64_t count, uint64_t seed, double stddev = 1.2) {
-  std::vector<float> values = make_normal(count, stddev, seed);
-  for (float& value : values) value = round_to_bf16(value);
-  return values;
-}
-
 struct AttentionInputs {
   AttentionShape shape;
   int32_t start;
@@ -50,10 +42,10 @@ AttentionInputs make_inputs(const AttentionCase& c, float poison, uint64_t seed)
   const int32_t used = c.start + c.tokens;
   const int32_t capacity = (used + 11 + 7) / 8 * 8;
   AttentionInputs in{{c.batch, c.tokens, c.n_heads, c.n_kv_heads, c.head_dim, capacity}, c.start, {}, {}, {}, {}};
-  in.q = random_bf16(int64_t{c.batch} * c.n_heads * c.tokens * c.head_dim, seed);
+  in.q = test::random_bf16(int64_t{c.batch} * c.n_heads * c.tokens * c.head_dim, seed);
   const int64_t cache_elements = int64_t{c.batch} * c.n_kv_heads * capacity * c.head_dim;
-  in.keys = random_bf16(cache_elements, seed + 1);
-  in.values = random_bf16(cache_elements, seed + 2);
+  in.keys = test::random_bf16(cache_elements, seed + 1);
+  in.values = test::random_bf16(cache_elements, seed + 2);
   for (int64_t e = 0; e < cache_elements; ++e)
     if ((e / c.head_dim) % capacity >= used) in.keys[e] = in.values[e] = poison;
   const ref::CachedAttentionShape ref_shape{c.batch, c.tokens, c.n_heads, c.n_kv_heads, c.head_dim, capacity, c.start};
@@ -74,20 +66,9 @@ DeviceInputs upload(const AttentionInputs& in) {
   return d;
 }
 
-// The whole output's relative L2 error, and the worst of its (token, head) rows'.
 void expect_close(const AttentionInputs& in, const cuda::DeviceArray<bf16>& out, const char* path) {
-  const std::vector<float> got = cuda::download_bf16(out.get(), in.expected.size());
-  const double error = relative_l2_error(got.data(), in.expected.data(), got.size());
-  const int32_t dh = in.shape.head_dim;
-  double worst_row = 0;
-  for (size_t row = 0; row < got.size() / dh; ++row) {
-    const double row_error = relative_l2_error(got.data() + row * dh, in.expected.data() + row * dh, dh);
-    worst_row = std::isnan(row_error) ? row_error : std::max(worst_row, row_error);
-    if (std::isnan(worst_row)) break;
-  }
-  std::printf("[ %s ] relative L2 %.3g, worst row %.3g\n", path, error, worst_row);
-  EXPECT_LT(error, kTolerance) << path;
-  EXPECT_LT(worst_row, kRowTolerance) << path;
+  test::expect_attention_close(cuda::download_bf16(out.get(), in.expected.size()), in.expected, in.shape.head_dim,
+                               kTolerance, kRowTolerance, path);
 }
 
 class PrefillAttention : public test::CudaTest<::testing::TestWithParam<AttentionCase>> {};

@@ -5,19 +5,21 @@
 
 #include <algorithm>
 #include <cfloat>
-#include <mutex>
 
 #include "cuda/cuda_utils.h"
 #include "cuda/warp_math.cuh"
+#include "twell/error.h"
 
 namespace twell::cuda::model_kernels {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kDecodeThreads = 256;
 constexpr int kRopeThreads = 128;
-// decode_attention's shared memory besides the scores: [256 / (Dh/8), Dh] partial sums = 2048 floats.
-constexpr int kDecodePartialFloats = 2048;
+constexpr int kDecodeThreads = 128;
+// Rows (key and value) a decode-attention thread loads before it waits for any of them.
+constexpr int kDecodeRowsPerLoad = 4;
+// The block that merges a head's splits weighs one split per thread.
+constexpr int kDecodeMaxSplits = kDecodeThreads;
 
 // Sum (or max) over the block; every thread gets the result. `scratch` holds 32 floats.
 template <bool kMax>
@@ -38,13 +40,20 @@ __device__ float block_reduce(float value, float* scratch) {
   return value;
 }
 
-// Every kernel here but decode attention is a programmatic dependent launch (launch_programmatic,
+// Every kernel here is a programmatic dependent launch (launch_programmatic,
 // cuda_utils.h) that reads only activations: it waits for the previous kernel before anything else
 // and then lets the next launch begin (whose blocks wait in turn), so a launch's start overlaps the
 // end of the kernel before it. A decode step is a chain of such small kernels.
 __device__ __forceinline__ void begin_programmatic() {
   wait_for_previous_grid();
   allow_dependent_grids();
+}
+
+// Positions per split of decode attention: the visible positions shared by the splits, in whole
+// passes of the block (rows_per_pass rows each).
+__host__ __device__ inline int32_t decode_split_positions(int32_t visible, int32_t splits, int32_t rows_per_pass) {
+  const int32_t share = (visible + splits - 1) / splits;
+  return (share + rows_per_pass - 1) / rows_per_pass * rows_per_pass;
 }
 
 unsigned grid_for(int64_t count) {
@@ -135,70 +144,127 @@ __global__ void heads_to_tokens_kernel(const bf16* in, AttentionShape s, int64_t
   }
 }
 
-// One block per (sequence, query head), scores in shared memory. A key or value row is read as
-// Dh/8 16-byte pieces by as many neighbouring lanes, so one pass of the block covers
-// 256 / (Dh/8) positions with every load independent of the others: the kernel is bound by load
-// latency (a step reads only a few hundred KB), and this keeps many loads in flight.
+// Flash decoding. Block (head = b·H_q + h, split) of the grid (B·H_q, splits) takes a contiguous
+// chunk of the visible positions. The chunk is sized on the device from *length, so that every
+// split gets work whatever the length (the host sizes the grid from the cache stride and the SM
+// count: a captured step cannot know the length). A key row and its value row are read as Dh/8
+// 16-byte pieces by as many neighbouring lanes, kDecodeRowsPerLoad rows per thread at once, value
+// rows with the key rows: one round trip to memory covers the chunk of a short cache. Each thread
+// keeps a running softmax (max, sum, unnormalized P·V, fp32) over its rows; the block merges them,
+// writes its split's (max, sum, P·V) and the last block of the head to arrive merges the splits
+// (log-sum-exp rescaling) and resets the head's arrival counter for the next call or replay.
 __global__ void __launch_bounds__(kDecodeThreads)
     decode_attention_kernel(const bf16* q, const bf16* k_cache, const bf16* v_cache, AttentionShape s,
-                            const int32_t* length, float scale, bf16* out) {
-  extern __shared__ float shared[];
+                            const int32_t* length, float scale, float* split_results, uint32_t* arrivals, bf16* out) {
   __shared__ float scratch[32];
+  __shared__ float group_sums[kDecodeThreads * 8];   // [rows_per_pass, Dh] P·V of each lane group
+  __shared__ float split_weights[kDecodeMaxSplits];  // exp(split max - max over the splits)
+  __shared__ bool is_last;
   const int32_t dh = s.head_dim;
   const int32_t pieces = dh / 8;  // lanes per row: a power of two <= 32 (checked by the launcher)
   const int32_t rows_per_pass = kDecodeThreads / pieces;
-  float* weights = shared;                   // [cache_stride] scores, then exp(score - max)
-  float* partial = shared + s.cache_stride;  // [rows_per_pass, Dh] per-lane-group output sums
-  const int32_t b = blockIdx.x / s.n_heads, h = blockIdx.x % s.n_heads;
+  const int32_t head = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
+  const int32_t b = head / s.n_heads, h = head % s.n_heads;
   const int32_t kv_head = h / (s.n_heads / s.n_kv_heads);
+  wait_for_previous_grid();
   const int32_t visible = *length + 1;
+  const int32_t chunk = decode_split_positions(visible, splits, rows_per_pass);
+  const int32_t active_splits = (visible + chunk - 1) / chunk;
+  if (split >= active_splits) return;
+  const int32_t begin = split * chunk, end = min(begin + chunk, visible);
   const int64_t cache_base = (int64_t{b} * s.n_kv_heads + kv_head) * s.cache_stride * dh;
   const auto* keys = reinterpret_cast<const uint4*>(k_cache + cache_base);    // [cap, pieces]
   const auto* values = reinterpret_cast<const uint4*>(v_cache + cache_base);  // [cap, pieces]
   const int32_t piece = threadIdx.x % pieces, row_in_pass = threadIdx.x / pieces;
-  const uint4 query = reinterpret_cast<const uint4*>(q + (int64_t{b} * s.n_heads + h) * dh)[piece];
+  const uint4 query = reinterpret_cast<const uint4*>(q + int64_t{head} * dh)[piece];
 
-  float max_score = -FLT_MAX;
-#pragma unroll 4
-  for (int32_t first = 0; first < visible; first += rows_per_pass) {  // the same trip count in every lane
-    const int32_t j = first + row_in_pass;
-    float dot = j < visible ? dot8(keys[int64_t{j} * pieces + piece], query) : 0.0f;
-    for (int32_t offset = pieces / 2; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
-    if (j < visible) {
-      dot *= scale;
-      if (piece == 0) weights[j] = dot;
-      max_score = fmaxf(max_score, dot);
+  float running_max = -FLT_MAX, running_sum = 0, sums[8] = {};
+  // The same trip count in every lane: the shuffles need the whole warp.
+  for (int32_t first = begin; first < end; first += rows_per_pass * kDecodeRowsPerLoad) {
+    uint4 key[kDecodeRowsPerLoad], value[kDecodeRowsPerLoad];
+    bool valid[kDecodeRowsPerLoad];
+#pragma unroll
+    for (int r = 0; r < kDecodeRowsPerLoad; ++r) {
+      const int32_t j = first + r * rows_per_pass + row_in_pass;
+      valid[r] = j < end;
+      key[r] = value[r] = make_uint4(0, 0, 0, 0);
+      if (valid[r]) {
+        key[r] = keys[int64_t{j} * pieces + piece];
+        value[r] = values[int64_t{j} * pieces + piece];
+      }
     }
+    float score[kDecodeRowsPerLoad];
+    float round_max = running_max;
+#pragma unroll
+    for (int r = 0; r < kDecodeRowsPerLoad; ++r) {
+      float dot = dot8(key[r], query);
+      for (int32_t offset = pieces / 2; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+      score[r] = dot * scale;
+      if (valid[r]) round_max = fmaxf(round_max, score[r]);
+    }
+    const float correction = expf(running_max - round_max);  // 0 on the first row seen
+    running_sum *= correction;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) sums[e] *= correction;
+#pragma unroll
+    for (int r = 0; r < kDecodeRowsPerLoad; ++r) {
+      const float weight = valid[r] ? expf(score[r] - round_max) : 0.0f;
+      running_sum += weight;
+      const uint32_t words[4] = {value[r].x, value[r].y, value[r].z, value[r].w};
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        sums[2 * w] = fmaf(weight, bf16_low(words[w]), sums[2 * w]);
+        sums[2 * w + 1] = fmaf(weight, bf16_high(words[w]), sums[2 * w + 1]);
+      }
+    }
+    running_max = round_max;
   }
-  max_score = block_reduce<true>(max_score, scratch);  // its barriers also publish weights[]
-  float total = 0;
-  for (int32_t j = threadIdx.x; j < visible; j += blockDim.x) {
-    const float weight = expf(weights[j] - max_score);
-    weights[j] = weight;
-    total += weight;
-  }
-  total = block_reduce<false>(total, scratch);
+  allow_dependent_grids();  // every input is read
 
-  float sums[8] = {};
-#pragma unroll 4
-  for (int32_t j = row_in_pass; j < visible; j += rows_per_pass) {
-    const uint4 v = values[int64_t{j} * pieces + piece];
-    const float weight = weights[j];
-    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+  // Lane groups that saw no row keep max -FLT_MAX and sums 0: their rescale is 0.
+  const float block_max = block_reduce<true>(running_max, scratch);
+  const float rescale = expf(running_max - block_max);
+  const float block_sum = block_reduce<false>(piece == 0 ? running_sum * rescale : 0.0f, scratch);
 #pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      sums[2 * w] = fmaf(weight, bf16_low(words[w]), sums[2 * w]);
-      sums[2 * w + 1] = fmaf(weight, bf16_high(words[w]), sums[2 * w + 1]);
-    }
-  }
-#pragma unroll
-  for (int e = 0; e < 8; ++e) partial[row_in_pass * dh + piece * 8 + e] = sums[e];
+  for (int e = 0; e < 8; ++e) group_sums[row_in_pass * dh + piece * 8 + e] = sums[e] * rescale;
   __syncthreads();
-  const float inv_total = 1.0f / total;
+  bf16* head_out = out + int64_t{head} * dh;  // out [B, H_q, Dh]
+  const int32_t result_floats = dh + 2;
+  float* result = split_results + (int64_t{head} * splits + split) * result_floats;  // [max, sum, P·V [Dh]]
   for (int32_t d = threadIdx.x; d < dh; d += blockDim.x) {
     float sum = 0;
-    for (int32_t r = 0; r < rows_per_pass; ++r) sum += partial[r * dh + d];
-    out[(int64_t{b} * s.n_heads + h) * dh + d] = to_bf16(sum * inv_total);
+    for (int32_t r = 0; r < rows_per_pass; ++r) sum += group_sums[r * dh + d];
+    if (active_splits == 1)
+      head_out[d] = to_bf16(sum / block_sum);
+    else
+      result[2 + d] = sum;
+  }
+  if (active_splits == 1) return;
+  if (threadIdx.x == 0) {
+    result[0] = block_max;
+    result[1] = block_sum;
+  }
+  __threadfence();  // this split's result is visible to the block that sees the last arrival
+  __syncthreads();
+  if (threadIdx.x == 0) is_last = atomicAdd(&arrivals[head], 1u) == static_cast<uint32_t>(active_splits - 1);
+  __syncthreads();
+  if (!is_last) return;
+
+  if (threadIdx.x == 0) arrivals[head] = 0;
+  // __ldcg: the other splits' results come from L2, never from a stale L1 line.
+  const float* head_results = split_results + int64_t{head} * splits * result_floats;  // [splits, Dh + 2]
+  const int32_t i = threadIdx.x;  // one split per thread (splits <= kDecodeMaxSplits = blockDim.x)
+  const float split_max = i < active_splits ? __ldcg(head_results + i * result_floats) : -FLT_MAX;
+  const float max_all = block_reduce<true>(split_max, scratch);
+  const float weight = i < active_splits ? expf(split_max - max_all) : 0.0f;
+  split_weights[i] = weight;
+  const float total =  // its barriers also publish split_weights[]
+      block_reduce<false>(i < active_splits ? weight * __ldcg(head_results + i * result_floats + 1) : 0.0f, scratch);
+  for (int32_t d = threadIdx.x; d < dh; d += blockDim.x) {
+    float sum = 0;
+    for (int32_t k = 0; k < active_splits; ++k)
+      sum += split_weights[k] * __ldcg(head_results + k * result_floats + 2 + d);
+    head_out[d] = to_bf16(sum / total);
   }
 }
 
@@ -290,25 +356,52 @@ void heads_to_tokens(const bf16* in, const AttentionShape& shape, bf16* out, cud
   TWELL_CUDA_CHECK_LAUNCH();
 }
 
-int32_t decode_attention_max_positions() {
-  return device_facts().max_smem_per_block_optin / static_cast<int32_t>(sizeof(float)) - kDecodePartialFloats - 64;
-}
-
 bool decode_attention_supports(int32_t head_dim) {
   const int32_t pieces = head_dim / 8;
   return head_dim % 8 == 0 && pieces >= 1 && pieces <= 32 && (pieces & (pieces - 1)) == 0;
 }
 
+int32_t decode_attention_splits(const AttentionShape& shape) {
+  // As many blocks as the GPU holds at once: more would queue behind the first wave, fewer leave
+  // SMs idle; never more splits than a cache of cache_stride positions can fill, a pass each.
+  static const int64_t resident_blocks = [] {
+    int per_sm = 0;
+    TWELL_CUDA_CHECK(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_attention_kernel, kDecodeThreads, 0));
+    return int64_t{per_sm} * device_facts().sm_count;
+  }();
+  const int64_t heads = int64_t{shape.batch} * shape.n_heads;
+  const int32_t rows_per_pass = kDecodeThreads / (shape.head_dim / 8);
+  const int64_t fill = (resident_blocks + heads - 1) / heads;
+  const int64_t fillable = (shape.cache_stride + rows_per_pass - 1) / rows_per_pass;
+  return static_cast<int32_t>(std::max<int64_t>(1, std::min<int64_t>({fill, fillable, kDecodeMaxSplits})));
+}
+
+size_t decode_attention_workspace_bytes(const AttentionShape& shape) {
+  const auto heads = static_cast<size_t>(shape.batch) * shape.n_heads;
+  const auto splits = static_cast<size_t>(decode_attention_splits(shape));
+  return heads * splits * (shape.head_dim + 2) * sizeof(float) + heads * sizeof(uint32_t);
+}
+
 void decode_attention(const bf16* q, const bf16* k_cache, const bf16* v_cache, const AttentionShape& shape,
-                      const int32_t* length, float scale, bf16* out, cudaStream_t stream) {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    TWELL_CUDA_CHECK(cudaFuncSetAttribute(decode_attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          device_facts().max_smem_per_block_optin - 32 * static_cast<int>(sizeof(float))));
-  });
-  const size_t shared = (static_cast<size_t>(shape.cache_stride) + kDecodePartialFloats) * sizeof(float);
-  decode_attention_kernel<<<static_cast<unsigned>(shape.batch * shape.n_heads), kDecodeThreads, shared, stream>>>(
-      q, k_cache, v_cache, shape, length, scale, out);
+                      const int32_t* length, float scale, bf16* out, void* workspace, size_t workspace_bytes,
+                      cudaStream_t stream) {
+  TWELL_REQUIRE(decode_attention_supports(shape.head_dim),
+                "decode_attention: head_dim must be 8·2^i up to 256, got {}", shape.head_dim);
+  TWELL_REQUIRE(shape.tokens == 1, "decode_attention: one token per sequence, got {}", shape.tokens);
+  TWELL_REQUIRE(shape.n_kv_heads > 0 && shape.n_heads % shape.n_kv_heads == 0,
+                "decode_attention: n_heads ({}) must be a multiple of n_kv_heads ({})", shape.n_heads,
+                shape.n_kv_heads);
+  const size_t needed = decode_attention_workspace_bytes(shape);
+  TWELL_REQUIRE(workspace_bytes >= needed, "decode_attention: workspace of {} bytes, {} needed", workspace_bytes,
+                needed);
+  const int32_t splits = decode_attention_splits(shape);
+  const auto heads = static_cast<unsigned>(shape.batch * shape.n_heads);
+  auto* split_results = static_cast<float*>(workspace);  // [B·H_q, splits, Dh + 2]
+  auto* arrivals =                                       // [B·H_q]
+      reinterpret_cast<uint32_t*>(split_results + size_t{heads} * splits * (shape.head_dim + 2));
+  launch_programmatic(decode_attention_kernel, dim3(heads, static_cast<unsigned>(splits)), dim3(kDecodeThreads), 0,
+                      stream, q, k_cache, v_cache, shape, length, scale, split_results, arrivals, out);
   TWELL_CUDA_CHECK_LAUNCH();
 }
 

@@ -5,6 +5,7 @@
 // number of cached positions before this step, so a captured decode step reads it at replay.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include <cuda_runtime.h>
@@ -43,13 +44,18 @@ void causal_softmax(const float* scores, int64_t rows_total, int32_t tokens, int
 void heads_to_tokens(const bf16* in, const AttentionShape& shape, bf16* out, cudaStream_t stream);
 
 // One decode step (n = 1): out [B, H_q·Dh] bf16 = softmax(scale·q·K^T)·V over positions 0 ..= *length
-// of each sequence's cache, q [B, H_q, Dh] bf16. Dh must pass decode_attention_supports.
+// of each sequence's cache, q [B, H_q, Dh] bf16, any *length < cache_stride. Dh must pass
+// decode_attention_supports, H_q be a multiple of H_kv. `workspace` holds at least
+// decode_attention_workspace_bytes(shape) bytes, zeroed once when allocated: it holds the per-split
+// results and per-head arrival counters, which each call leaves zero again (a captured call replays as is).
 void decode_attention(const bf16* q, const bf16* k_cache, const bf16* v_cache, const AttentionShape& shape,
-                      const int32_t* length, float scale, bf16* out, cudaStream_t stream);
+                      const int32_t* length, float scale, bf16* out, void* workspace, size_t workspace_bytes,
+                      cudaStream_t stream);
 // Dh = 8·2^i, up to 256 (rows are read in 16-byte pieces by a power-of-two group of lanes).
 bool decode_attention_supports(int32_t head_dim);
-// Largest cache stride decode_attention accepts on this device (scores live in shared memory).
-int32_t decode_attention_max_positions();
+// Blocks per (sequence, query head) over the positions (from the shape and this device's SM count).
+int32_t decode_attention_splits(const AttentionShape& shape);
+size_t decode_attention_workspace_bytes(const AttentionShape& shape);
 
 // hidden [count] fp32 += y [count] (bf16 or fp32).
 void add_residual(float* hidden, const bf16* y, int64_t count, cudaStream_t stream);

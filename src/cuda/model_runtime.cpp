@@ -1,6 +1,7 @@
 // CudaModel (include/twell/model_cuda.h): weights on the device, the KV cache, one forward step as a
 // sequence of launches on the model's stream, and CUDA graphs of decode steps.
 #include <cmath>
+#include <cstddef>
 #include <map>
 #include <set>
 
@@ -76,6 +77,7 @@ struct CudaModel::Impl {
   DeviceBuffer<bf16> attention;   // [rows, H_q·Dh]
   DeviceBuffer<bf16> ffn_out;     // [rows, D]
   DeviceBuffer<float> logits;     // [out rows, V]
+  DeviceBuffer<std::byte> decode_attention_workspace;  // mk::decode_attention_workspace_bytes, zeroed at reset
 
   std::map<std::pair<int32_t, bool>, cudaGraphExec_t> graphs;  // (B, LM head) -> decode step
   std::set<std::pair<int32_t, bool>> warmed;                   // ran once eagerly at that shape
@@ -163,7 +165,8 @@ struct CudaModel::Impl {
       mk::qkv_rope(qkv.data(), layer.bqkv.get(), shape, length_device.data(), static_cast<float>(c.rope_theta), q.data(),
                    k_layer, v_layer, stream);
       if (n == 1)
-        mk::decode_attention(q.data(), k_layer, v_layer, shape, length_device.data(), scale, attention.data(), stream);
+        mk::decode_attention(q.data(), k_layer, v_layer, shape, length_device.data(), scale, attention.data(),
+                             decode_attention_workspace.data(), decode_attention_workspace.size(), stream);
       else if (fused_prefill_attention_supports(c.head_dim))
         fused_prefill_attention(q.data(), k_layer, v_layer, shape, length, scale, attention.data(), stream);
       else
@@ -365,9 +368,6 @@ void CudaModel::reset(int32_t batch, int32_t capacity) {
   TWELL_REQUIRE(batch >= 1, "batch must be >= 1, got {}", batch);
   TWELL_REQUIRE(capacity >= 1, "KV cache capacity must be >= 1, got {}", capacity);
   const int32_t stride = round_up(capacity, kGemmAttentionPositionAlign);
-  const int32_t most = mk::decode_attention_max_positions();
-  TWELL_REQUIRE(stride <= most, "KV cache capacity {} exceeds the {} positions the decode attention kernel holds",
-                capacity, most);
   if (batch != m.batch || stride != m.cache_stride) m.drop_graphs();
   m.batch = batch;
   m.capacity = capacity;
@@ -382,6 +382,10 @@ void CudaModel::reset(int32_t batch, int32_t capacity) {
   TWELL_CUDA_CHECK(cudaMemsetAsync(m.k_cache.data(), 0, cache_elements * sizeof(bf16), m.stream));
   TWELL_CUDA_CHECK(cudaMemsetAsync(m.v_cache.data(), 0, cache_elements * sizeof(bf16), m.stream));
   TWELL_CUDA_CHECK(cudaMemsetAsync(m.length_device.data(), 0, sizeof(int32_t), m.stream));
+  const size_t attention_bytes =
+      mk::decode_attention_workspace_bytes({batch, 1, c.n_heads, c.n_kv_heads, c.head_dim, stride});
+  m.grow(m.decode_attention_workspace, static_cast<int64_t>(attention_bytes));
+  TWELL_CUDA_CHECK(cudaMemsetAsync(m.decode_attention_workspace.data(), 0, attention_bytes, m.stream));
   m.length = 0;
   m.next_tokens_ready = false;
   m.replays = 0;
