@@ -109,7 +109,7 @@ INSTANTIATE_TEST_SUITE_P(
                     GemvCase{"model_o", 1, 2048, 2048, false, GemvOutput::f32_add},
                     GemvCase{"four_rows_norm", 4, 1001, 4096, true, GemvOutput::bf16},
                     GemvCase{"two_rows_norm_add", 2, 9, 24, true, GemvOutput::f32_add},
-                    GemvCase{"many_rows_a_warp", 3, 40000, 64, false, GemvOutput::bf16}),
+                    GemvCase{"many_loads_a_block", 3, 40000, 64, false, GemvOutput::bf16}),
     [](const testing::TestParamInfo<GemvCase>& info) { return info.param.name; });
 
 class DecodeGemvRefusal : public test::CudaTest<> {};

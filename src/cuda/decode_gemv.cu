@@ -1,10 +1,11 @@
-// The decode step's projections (decode_gemv.h). Each warp owns `rows_per_warp` consecutive rows of
-// W and reads each of them once, in 16-byte pieces (lane l takes pieces l, l + 32, ...), two rows at a
-// time with every piece of both in flight; x sits in shared memory. The grid is sized to about two
-// blocks per SM, so the whole GPU streams W at once.
-// Under the programmatic launch the first thing a warp does is ask the TMA unit to pull its rows of W
-// into the L2 (cp.async.bulk.prefetch): W is the layer's own constant, so this overlaps the end of
-// the previous kernel (attention, the FFN), and the rows are then read from the L2.
+// The decode step's projections (decode_gemv.h). A block owns a contiguous range of W's rows and
+// streams it through shared memory in loads of kWarps rows: one bulk copy (TMA, cp.async.bulk) per
+// load into a ring of stages, each with an mbarrier; warp w takes row w of a load, lane l its 16-byte
+// pieces l, l + 32, ... against x in shared memory. A bulk copy keeps tens of KB in flight for one
+// instruction, so the weights stream at the copy rate with few warps (the first version, 16-byte
+// loads from registers with an L2 prefetch, reached 2.1-2.5 TB/s on the H200: docs/perf-notes.md).
+// Under the programmatic launch the first loads are issued before waiting for the previous kernel:
+// W is the layer's own constant, so its first bytes arrive while attention or the FFN ends.
 #include "cuda/decode_gemv.h"
 
 #include <algorithm>
@@ -17,22 +18,44 @@ namespace {
 
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
-constexpr int kPiecesInFlight = 8;  // 16-byte pieces per lane and row loaded before any is used
+constexpr int kMaxStages = 4;  // loads of kWarps rows in flight per block
 
 struct GemvParams {
   GemvInput input;
   const bf16* w;  // [N, K]
   void* y;        // [M, N]
   GemvOutput output;
-  int32_t rows, n, k, rows_per_warp;
+  int32_t rows, n, k, rows_per_block, stages;
 };
 
 __device__ __forceinline__ uint32_t pack_bf16(float low, float high) {
   return uint32_t{float_to_bf16_bits(low)} | uint32_t{float_to_bf16_bits(high)} << 16;
 }
 
-__device__ __forceinline__ void prefetch_to_l2(const void* address, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(address), "r"(bytes) : "memory");
+__device__ __forceinline__ void init_barrier(uint64_t* barrier) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(barrier)) : "memory");
+}
+// `bytes` of global memory at `source` into shared memory at `target` (both 16-byte aligned, bytes a
+// multiple of 16); `barrier`'s phase completes when they have arrived.
+__device__ __forceinline__ void bulk_copy(void* target, const void* source, uint32_t bytes, uint64_t* barrier) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(barrier)), "r"(bytes)
+               : "memory");
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+          shared_address(target)),
+      "l"(source), "r"(bytes), "r"(shared_address(barrier))
+      : "memory");
+}
+__device__ __forceinline__ void wait_barrier(uint64_t* barrier, uint32_t phase) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "wait:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait;\n"
+      "}\n" ::"r"(shared_address(barrier)),
+      "r"(phase)
+      : "memory");
 }
 
 // x [rows, K] as bf16 into shared memory: copied, or normalized from the fp32 rows (each block
@@ -83,67 +106,74 @@ __device__ void stage_x(const GemvParams& p, uint4* x_shared) {
 
 template <int kMaxRows>
 __global__ void __launch_bounds__(kThreads) decode_gemv_kernel(GemvParams p) {
-  extern __shared__ uint4 x_shared[];  // [rows, K / 8]
+  // [stages][kWarps rows][K] bf16, then x [rows][K] bf16
+  extern __shared__ __align__(128) uint4 shared[];
+  __shared__ uint64_t stage_full[kMaxStages];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int pieces = p.k / 8;
-  const int first_row = (blockIdx.x * kWarps + warp) * p.rows_per_warp;
-  const int end_row = min(p.n, first_row + p.rows_per_warp);
+  const int64_t row_bytes = int64_t{p.k} * 2;
+  const int first_row = blockIdx.x * p.rows_per_block, end_row = min(p.n, first_row + p.rows_per_block);
+  const int loads = (end_row - first_row + kWarps - 1) / kWarps;
+  uint4* x_shared = shared + p.stages * kWarps * pieces;
   const auto* w = reinterpret_cast<const uint4*>(p.w);
-  if (lane == 0 && first_row < end_row)
-    prefetch_to_l2(w + static_cast<int64_t>(first_row) * pieces, static_cast<uint32_t>((end_row - first_row) * p.k * 2));
+  auto issue = [&](int load) {  // rows first_row + kWarps·load .. into stage load % stages
+    const int row = first_row + load * kWarps, count = min(kWarps, end_row - row);
+    bulk_copy(shared + (load % p.stages) * kWarps * pieces, w + int64_t{row} * pieces,
+              static_cast<uint32_t>(count * row_bytes), &stage_full[load % p.stages]);
+  };
+  if (threadIdx.x == 0) {
+    for (int stage = 0; stage < p.stages; ++stage) init_barrier(&stage_full[stage]);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    for (int load = 0; load < min(loads, p.stages); ++load) issue(load);
+  }
   wait_for_previous_grid();
   stage_x<kMaxRows>(p, x_shared);
-  __syncthreads();
+  __syncthreads();  // x and the initialized barriers
   allow_dependent_grids();
 
-  for (int row = first_row; row < end_row; row += 2) {
-    const bool has_second = row + 1 < end_row;
-    const uint4* first = w + static_cast<int64_t>(row) * pieces;
-    const uint4* second = has_second ? first + pieces : first;
-    float sums[2][kMaxRows] = {};
-    for (int base = lane; base < pieces; base += 32 * kPiecesInFlight) {
-      uint4 a[kPiecesInFlight], b[kPiecesInFlight];
+  for (int load = 0; load < loads; ++load) {
+    wait_barrier(&stage_full[load % p.stages], (load / p.stages) & 1);
+    const int row = first_row + load * kWarps + warp;
+    if (row < end_row) {
+      const uint4* weights = shared + ((load % p.stages) * kWarps + warp) * pieces;
+      float sums[kMaxRows] = {};
+      for (int piece = lane; piece < pieces; piece += 32) {
+        const uint4 weight = weights[piece];
 #pragma unroll
-      for (int u = 0; u < kPiecesInFlight; ++u) {
-        const int piece = base + 32 * u;
-        const bool inside = piece < pieces;
-        a[u] = inside ? __ldg(first + piece) : make_uint4(0u, 0u, 0u, 0u);
-        b[u] = inside && has_second ? __ldg(second + piece) : make_uint4(0u, 0u, 0u, 0u);
+        for (int m = 0; m < kMaxRows; ++m)
+          if (m < p.rows) sums[m] += dot8(weight, x_shared[m * pieces + piece]);
       }
-#pragma unroll
-      for (int u = 0; u < kPiecesInFlight; ++u) {
-        const int piece = base + 32 * u;
-        if (piece >= pieces) break;
-#pragma unroll
-        for (int m = 0; m < kMaxRows; ++m) {
-          if (m >= p.rows) break;
-          const uint4 x = x_shared[m * pieces + piece];
-          sums[0][m] += dot8(a[u], x);
-          sums[1][m] += dot8(b[u], x);
-        }
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      if (r == 1 && !has_second) break;
 #pragma unroll
       for (int m = 0; m < kMaxRows; ++m) {
         if (m >= p.rows) break;
-        const float sum = warp_sum(sums[r][m]);
+        const float sum = warp_sum(sums[m]);
         if (lane != m) continue;
-        const int64_t at = static_cast<int64_t>(m) * p.n + row + r;
+        const int64_t at = static_cast<int64_t>(m) * p.n + row;
         if (p.output == GemvOutput::bf16)
           static_cast<bf16*>(p.y)[at] = to_bf16(sum);
         else
           static_cast<float*>(p.y)[at] += sum;
       }
     }
+    if (load + p.stages < loads) {
+      __syncthreads();  // every warp is done with the stage before the copy overwrites it
+      if (threadIdx.x == 0) {
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        issue(load + p.stages);
+      }
+    }
   }
 }
 
+// Shared memory a block takes: two blocks share an SM, so one block's loads stream while the other
+// computes and exits.
+int32_t shared_budget() { return device_facts().max_smem_per_block_optin / 2; }
+
+int64_t stage_bytes(int32_t k) { return int64_t{kWarps} * k * 2; }
+
 template <int kMaxRows>
 void launch(const GemvParams& p, int blocks, cudaStream_t stream) {
-  const size_t shared = static_cast<size_t>(p.rows) * p.k * sizeof(bf16);
+  const size_t shared = static_cast<size_t>((p.stages * stage_bytes(p.k)) + int64_t{p.rows} * p.k * 2);
   static const bool configured = [] {
     TWELL_CUDA_CHECK(cudaFuncSetAttribute(decode_gemv_kernel<kMaxRows>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           device_facts().max_smem_per_block_optin - 4 * 1024));
@@ -155,26 +185,34 @@ void launch(const GemvParams& p, int blocks, cudaStream_t stream) {
 
 }  // namespace
 
+bool decode_gemv_supports(int32_t rows, int32_t k) {
+  return rows >= 1 && rows <= kDecodeGemvMaxRows && k >= 8 && k % 8 == 0 &&
+         stage_bytes(k) + int64_t{rows} * k * 2 <= device_facts().max_smem_per_block_optin - 4 * 1024;
+}
+
 void decode_gemv(int32_t rows, int32_t n, int32_t k, const GemvInput& input, const bf16* w, void* y,
                  GemvOutput output, cudaStream_t stream) {
   TWELL_REQUIRE(rows >= 1 && rows <= kDecodeGemvMaxRows, "decode_gemv: rows must lie in [1, {}], got {}",
                 kDecodeGemvMaxRows, rows);
   TWELL_REQUIRE(n >= 1 && k >= 8 && k % 8 == 0,
                 "decode_gemv: needs N >= 1 and K a positive multiple of 8, got N = {}, K = {}", n, k);
+  TWELL_REQUIRE(decode_gemv_supports(rows, k),
+                "decode_gemv: {} rows of W and {} of x at K = {} do not fit in a block's shared memory", kWarps, rows,
+                k);
   TWELL_REQUIRE((input.x != nullptr) != (input.hidden != nullptr && input.norm_weight != nullptr),
                 "decode_gemv: give either bf16 rows or fp32 rows with a norm weight");
   const auto aligned = [](const void* pointer) { return reinterpret_cast<uintptr_t>(pointer) % 16 == 0; };
   TWELL_REQUIRE(aligned(w) && aligned(input.x) && aligned(input.hidden) && aligned(input.norm_weight),
                 "decode_gemv: W, x, the fp32 rows and the norm weight must be 16-byte aligned");
-  const int64_t shared = int64_t{rows} * k * static_cast<int64_t>(sizeof(bf16));
-  TWELL_REQUIRE(shared <= device_facts().max_smem_per_block_optin - 4 * 1024,
-                "decode_gemv: {} rows of K = {} do not fit in a block's shared memory", rows, k);
-  // About two blocks per SM in all; fewer rows per warp when N is small.
-  const int64_t warps_wanted = int64_t{2} * device_facts().sm_count * kWarps;
-  const auto rows_per_warp = static_cast<int32_t>(std::max<int64_t>(1, (n + warps_wanted - 1) / warps_wanted));
-  const int64_t rows_per_block = int64_t{rows_per_warp} * kWarps;
+  const int64_t x_bytes = int64_t{rows} * k * 2;
+  const auto stages = static_cast<int32_t>(
+      std::clamp<int64_t>((shared_budget() - x_bytes) / stage_bytes(k), 1, kMaxStages));
+  // About two blocks per SM in all, each a whole number of loads.
+  const int64_t blocks_wanted = int64_t{2} * device_facts().sm_count;
+  const int64_t loads_per_block = std::max<int64_t>(1, (n + blocks_wanted * kWarps - 1) / (blocks_wanted * kWarps));
+  const auto rows_per_block = static_cast<int32_t>(loads_per_block * kWarps);
   const auto blocks = static_cast<int>((n + rows_per_block - 1) / rows_per_block);
-  const GemvParams p{input, w, y, output, rows, n, k, rows_per_warp};
+  const GemvParams p{input, w, y, output, rows, n, k, rows_per_block, stages};
   if (rows == 1)
     launch<1>(p, blocks, stream);
   else

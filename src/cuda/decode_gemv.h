@@ -36,9 +36,13 @@ enum class GemvOutput {
   f32_add,        // y: fp32 [M, N], y += x · Wᵀ
 };
 
+// Whether decode_gemv takes `rows` rows of K columns (K a multiple of 8, and a load of 8 rows of W
+// with x fits in a block's shared memory: K up to ~11000 on an H200).
+bool decode_gemv_supports(int32_t rows, int32_t k);
+
 // 1 <= rows <= kDecodeGemvMaxRows, K a multiple of 8, W and x 16-byte aligned (hidden too when
-// normalizing). Launched as a programmatic dependent launch (cuda_utils.h): its blocks pull their
-// slice of W into the L2 before waiting for the previous kernel.
+// normalizing). Launched as a programmatic dependent launch (cuda_utils.h): its blocks start loading
+// their rows of W before waiting for the previous kernel.
 void decode_gemv(int32_t rows, int32_t n, int32_t k, const GemvInput& input, const bf16* w, void* y,
                  GemvOutput output, cudaStream_t stream);
 

@@ -152,7 +152,8 @@ struct CudaModel::Impl {
       bf16* k_layer = k_cache.data() + index * cache_layer_elements();
       bf16* v_layer = v_cache.data() + index * cache_layer_elements();
       // A decode step's projections read their weights once (GEMVs); the QKV one normalizes its input itself.
-      const bool gemv = rows <= kDecodeGemvMaxRows && d % 8 == 0 && q_dim() % 8 == 0;
+      const bool gemv = decode_gemv_supports(static_cast<int32_t>(rows), c.d_model) &&
+                        decode_gemv_supports(static_cast<int32_t>(rows), static_cast<int32_t>(q_dim()));
       if (gemv) {
         decode_gemv(static_cast<int32_t>(rows), static_cast<int32_t>(qkv_width()), c.d_model,
                     GemvInput::rms_norm(hidden.data(), layer.attn_norm.get(), eps), layer.wqkv.get(), qkv.data(),
