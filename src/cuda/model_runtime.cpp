@@ -151,9 +151,11 @@ struct CudaModel::Impl {
       DeviceLayer& layer = layers[index];
       bf16* k_layer = k_cache.data() + index * cache_layer_elements();
       bf16* v_layer = v_cache.data() + index * cache_layer_elements();
-      // A decode step's projections read their weights once (GEMVs); the QKV one normalizes its input itself.
-      const bool gemv = decode_gemv_supports(static_cast<int32_t>(rows), c.d_model) &&
-                        decode_gemv_supports(static_cast<int32_t>(rows), static_cast<int32_t>(q_dim()));
+      // A batch-1 decode step's projections are GEMVs (the QKV one normalizes its input itself). On the
+      // H200 they beat cuBLASLt at one row (QKV 1.15x, O 1.63x) but not at four (0.6-1.0x):
+      // docs/perf-notes.md, lab_decode_gemv.
+      const bool gemv = rows == 1 && decode_gemv_supports(1, c.d_model) &&
+                        decode_gemv_supports(1, static_cast<int32_t>(q_dim()));
       if (gemv) {
         decode_gemv(static_cast<int32_t>(rows), static_cast<int32_t>(qkv_width()), c.d_model,
                     GemvInput::rms_norm(hidden.data(), layer.attn_norm.get(), eps), layer.wqkv.get(), qkv.data(),
