@@ -22,6 +22,7 @@
 
 #include <cuda_runtime.h>
 
+#include "twell/bench_record.h"
 #include "twell/host_tensors.h"
 
 namespace twell::cuda {
@@ -59,11 +60,12 @@ class L2Evictor {
   DeviceArray<uint4> buffer_;
   DeviceArray<unsigned> sink_;
 };
-// Benchmarks: milliseconds per call of `calls` calls of run(i, stream) (i = 0 .. calls-1) captured in
-// one CUDA graph, the median over `reps` replays after 3 warm-up replays. A graph of calls is how a
-// decode step runs them: launch gaps as small as they get, the next call's programmatic launch
-// overlapping this one's end.
-double graph_ms_per_call(const std::function<void(int, cudaStream_t)>& run, int calls, int reps);
+// Benchmarks: the time per call of `calls` calls of run(i, stream) (i = 0 .. calls-1) captured in one
+// CUDA graph, over `reps` replays after 3 warm-up replays; `evictor` (if given) empties the L2 before
+// each replay. A graph of calls is how a decode step runs them: launch gaps as small as they get,
+// the next call's programmatic launch overlapping this one's end.
+TimingStats time_graph(const std::function<void(int, cudaStream_t)>& run, int calls, int reps,
+                       const L2Evictor* evictor = nullptr);
 // Uploads fp32 host values as bf16 (round to nearest even).
 DeviceArray<bf16> upload_bf16(const float* host, size_t count, cudaStream_t stream = nullptr);
 std::vector<float> download_bf16(const bf16* device, size_t count, cudaStream_t stream = nullptr);

@@ -50,40 +50,6 @@ std::vector<float> random_bf16(int64_t count, uint64_t seed) {
   return values;
 }
 
-// Median time per call of a graph of kCallsPerGraph calls, call k on cache copy k % copies;
-// `evictor` empties the L2 before each replay when given.
-TimingStats time_graph(int reps, int copies, const std::function<void(int, cudaStream_t)>& call,
-                       const cuda::L2Evictor* evictor) {
-  cudaStream_t stream = nullptr;
-  TWELL_CUDA_CHECK(cudaStreamCreate(&stream));
-  cudaGraph_t graph = nullptr;
-  TWELL_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  for (int k = 0; k < kCallsPerGraph; ++k) call(k % copies, stream);
-  TWELL_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  cudaGraphExec_t replay = nullptr;
-  TWELL_CUDA_CHECK(cudaGraphInstantiate(&replay, graph, 0));
-  TWELL_CUDA_CHECK(cudaGraphDestroy(graph));
-  cudaEvent_t start, stop;
-  TWELL_CUDA_CHECK(cudaEventCreate(&start));
-  TWELL_CUDA_CHECK(cudaEventCreate(&stop));
-  std::vector<double> per_call_ms;
-  for (int i = -3; i < reps; ++i) {  // 3 warm-up replays
-    if (evictor) evictor->run(stream);
-    TWELL_CUDA_CHECK(cudaEventRecord(start, stream));
-    TWELL_CUDA_CHECK(cudaGraphLaunch(replay, stream));
-    TWELL_CUDA_CHECK(cudaEventRecord(stop, stream));
-    TWELL_CUDA_CHECK(cudaEventSynchronize(stop));
-    float ms = 0;
-    TWELL_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-    if (i >= 0) per_call_ms.push_back(ms / kCallsPerGraph);
-  }
-  TWELL_CUDA_CHECK(cudaEventDestroy(start));
-  TWELL_CUDA_CHECK(cudaEventDestroy(stop));
-  TWELL_CUDA_CHECK(cudaGraphExecDestroy(replay));
-  TWELL_CUDA_CHECK(cudaStreamDestroy(stream));
-  return summarize_ms(per_call_ms);
-}
-
 // Checks the shape against float64 and prints its timings; false when the check fails.
 bool run_shape(const DecodeShape& d, int reps, const cuda::L2Evictor& evictor) {
   const int32_t dh = 64, visible = d.length + 1;
@@ -132,8 +98,8 @@ bool run_shape(const DecodeShape& d, int reps, const cuda::L2Evictor& evictor) {
   const double error = relative_l2_error(got.data(), expected.data(), expected.size());
   const bool ok = error < 4.5e-3;
 
-  const TimingStats dram = time_graph(reps, kCallsPerGraph, call, &evictor);
-  const TimingStats l2 = time_graph(reps, 1, call, nullptr);
+  const TimingStats dram = cuda::time_graph(call, kCallsPerGraph, reps, &evictor);
+  const TimingStats l2 = cuda::time_graph([&](int, cudaStream_t stream) { call(0, stream); }, kCallsPerGraph, reps);
   const double bytes = 2.0 * d.batch * d.n_heads * visible * dh * sizeof(bf16);  // K and V read
   std::printf(
       "B %d H %2d Dh %d length %4d  splits %3d  check %.2e %s  K+V %6.2f MB  dram %6.2f us (p10 %.2f, p90 %.2f) "

@@ -66,19 +66,19 @@ int run(int32_t m, int reps) {
     const double error = relative_l2_error(got.data(), expected.data(), expected.size());
     ok = ok && error < 5e-3;  // bf16 output rounding, ~1e-3
 
-    const double gemv_ms = cuda::graph_ms_per_call(
+    const double gemv_ms = cuda::time_graph(
         [&](int call, cudaStream_t stream) {
           cuda::decode_gemv(m, shape.n, shape.k, cuda::GemvInput::rows(x.get()), w[call % copies].get(), y.get(),
                             cuda::GemvOutput::bf16, stream);
         },
-        kGraphCalls, reps);
+        kGraphCalls, reps).median_ms;
     const auto cublas = [&](int call, cudaStream_t stream) {
       gemm.run(m, shape.n, shape.k, {x.get(), shape.k, false}, {w[call % copies].get(), shape.k, true}, y.get(),
                shape.n, cuda::GemmOutput::bf16, 0.0f, stream);
     };
     cublas(0, nullptr);  // plans outside the capture
     TWELL_CUDA_CHECK(cudaDeviceSynchronize());
-    const double cublas_ms = cuda::graph_ms_per_call(cublas, kGraphCalls, reps);
+    const double cublas_ms = cuda::time_graph(cublas, kGraphCalls, reps).median_ms;
     std::printf("%-8s %7d %7d %9.2f %9.2f %7.2fx %9.2f %10.2e\n", shape.name, shape.n, shape.k, gemv_ms * 1e3,
                 cublas_ms * 1e3, cublas_ms / gemv_ms, w_bytes / (gemv_ms * 1e-3) * 1e-12, error);
   }

@@ -49,7 +49,8 @@ void L2Evictor::run(cudaStream_t stream) const {
   TWELL_CUDA_CHECK_LAUNCH();
 }
 
-double graph_ms_per_call(const std::function<void(int, cudaStream_t)>& run, int calls, int reps) {
+TimingStats time_graph(const std::function<void(int, cudaStream_t)>& run, int calls, int reps,
+                       const L2Evictor* evictor) {
   cudaStream_t stream;
   TWELL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   cudaGraph_t graph;
@@ -61,24 +62,23 @@ double graph_ms_per_call(const std::function<void(int, cudaStream_t)>& run, int 
   cudaEvent_t start, stop;
   TWELL_CUDA_CHECK(cudaEventCreate(&start));
   TWELL_CUDA_CHECK(cudaEventCreate(&stop));
-  for (int i = 0; i < 3; ++i) TWELL_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-  std::vector<double> samples;
-  for (int i = 0; i < reps; ++i) {
+  std::vector<double> per_call_ms;
+  for (int i = -3; i < reps; ++i) {  // 3 warm-up replays
+    if (evictor) evictor->run(stream);
     TWELL_CUDA_CHECK(cudaEventRecord(start, stream));
     TWELL_CUDA_CHECK(cudaGraphLaunch(exec, stream));
     TWELL_CUDA_CHECK(cudaEventRecord(stop, stream));
     TWELL_CUDA_CHECK(cudaEventSynchronize(stop));
     float ms = 0;
     TWELL_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-    samples.push_back(ms / calls);
+    if (i >= 0) per_call_ms.push_back(ms / calls);
   }
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
-  std::sort(samples.begin(), samples.end());
-  return samples[samples.size() / 2];
+  return summarize_ms(per_call_ms);
 }
 
 void copy_to_device(void* device, const void* host, size_t bytes, cudaStream_t stream) {

@@ -228,7 +228,7 @@ double event_ms(cudaStream_t stream, const std::function<void()>& fn) {
 // ms per call of kGraphCalls calls of run(input set, stream) replayed in a graph, the sets in turn.
 std::function<double(int)> graph_timer(std::function<void(int, cudaStream_t)> run, int sets, int reps) {
   return [run, sets, reps](int) {
-    return cuda::graph_ms_per_call([&](int call, cudaStream_t stream) { run(call % sets, stream); }, kGraphCalls, reps);
+    return cuda::time_graph([&](int call, cudaStream_t stream) { run(call % sets, stream); }, kGraphCalls, reps).median_ms;
   };
 }
 
