@@ -9,12 +9,7 @@ torch, transformers, tokenizers, sentencepiece and safetensors:
 
 The tests read only the committed output; CI needs none of these packages.
 
-Tokenizers, trained on tests/fixtures/text/train.txt (public-domain prose), with reference ids for
-the held-out lines of tests/fixtures/text/heldout.txt:
-  tokenizers/bytelevel/   tokenizer.json: byte-level BPE as GPT-2 and SmolLM2 (Digits + ByteLevel)
-  tokenizers/spm/         tokenizer.model: sentencepiece BPE with byte fallback (Llama-2 style);
-                          tokenizer.json: the same vocabulary as HF writes it for Llama-2
-                          (Prepend/Replace normalizer, BPE with byte_fallback, merges)
+Tokenizers: scripts/make_tokenizer_fixtures.py (which needs only tokenizers and sentencepiece).
 Models (tiny, random, exact HF layout), each with golden.json: the prompt, every position's logits
 from HF transformers in fp32, and the greedy continuation:
   models/llama       LlamaForCausalLM, SiLU, GQA 4/2, bf16, sharded (index.json), transformers 5 config
@@ -28,118 +23,12 @@ import os
 import shutil
 import sys
 
-import sentencepiece as spm
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures")
-TRAIN = open(os.path.join(ROOT, "text", "train.txt"), encoding="utf-8").read()
-HELDOUT = open(os.path.join(ROOT, "text", "heldout.txt"), encoding="utf-8").read().split("\n")
-HELDOUT = [line for line in HELDOUT if line] + [" leading space", "\n\ntwo newlines\n", ""]
-
-
-def write_json(path, value):
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(value, f, ensure_ascii=False, separators=(",", ":"))
-        f.write("\n")
-
-
-def fresh_dir(*parts):
-    path = os.path.join(ROOT, *parts)
-    shutil.rmtree(path, ignore_errors=True)
-    os.makedirs(path)
-    return path
-
-
-# --------------------------------------------------------------------------------------------
-# Tokenizers
-
-def make_bytelevel_tokenizer():
-    out = fresh_dir("tokenizers", "bytelevel")
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tokenizer.train_from_iterator([TRAIN], trainer=trainer)
-    path = os.path.join(out, "tokenizer.json")
-    tokenizer.save(path)
-    reference = Tokenizer.from_file(path)
-    ids = [reference.encode(text, add_special_tokens=False).ids for text in HELDOUT]
-    for text, row in zip(HELDOUT, ids):
-        assert reference.decode(row, skip_special_tokens=False) == text, text
-    write_json(os.path.join(out, "expected.json"), {"texts": HELDOUT, "ids": ids})
-    return path
-
-
-def llama2_tokenizer_json(model_path):
-    """tokenizer.json as transformers 4.x's LlamaConverter writes it for Llama-2: merges from the
-    vocabulary (pairs whose concatenation is a piece, ordered by that piece's rank)."""
-    processor = spm.SentencePieceProcessor(model_file=model_path)
-    pieces = [processor.id_to_piece(i) for i in range(processor.get_piece_size())]
-    vocab = {piece: i for i, piece in enumerate(pieces)}
-    merges = []
-    for merged_id, merged in enumerate(pieces):
-        if processor.is_control(merged_id) or processor.is_unknown(merged_id) or processor.is_byte(merged_id):
-            continue
-        local = [(merged[:k], merged[k:]) for k in range(1, len(merged)) if merged[:k] in vocab and merged[k:] in vocab]
-        local.sort(key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
-        merges.extend((merged_id, pair) for pair in local)
-    merges.sort(key=lambda item: item[0])
-    special = lambda i, s: {"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
-                             "normalized": False, "special": True}
-    return {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
-        "added_tokens": [special(0, "<unk>"), special(1, "<s>"), special(2, "</s>")],
-        "normalizer": {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "\u2581"},
-                                                            {"type": "Replace", "pattern": {"String": " "},
-                                                             "content": "\u2581"}]},
-        "pre_tokenizer": None,
-        "post_processor": {"type": "TemplateProcessing",
-                           "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
-                                      {"Sequence": {"id": "A", "type_id": 0}}],
-                           "pair": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
-                                    {"Sequence": {"id": "A", "type_id": 0}},
-                                    {"SpecialToken": {"id": "<s>", "type_id": 1}},
-                                    {"Sequence": {"id": "B", "type_id": 1}}],
-                           "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}},
-        "decoder": {"type": "Sequence", "decoders": [
-            {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "}, {"type": "ByteFallback"},
-            {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
-        "model": {"type": "BPE", "dropout": None, "unk_token": "<unk>", "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True, "ignore_merges": False,
-                  "vocab": vocab, "merges": [[left, right] for _, (left, right) in merges]},
-    }
-
-
-def make_spm_tokenizer():
-    out = fresh_dir("tokenizers", "spm")
-    prefix = os.path.join(out, "tokenizer")
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter([line for line in TRAIN.split("\n") if line]), model_prefix=prefix, vocab_size=480,
-        model_type="bpe", byte_fallback=True, character_coverage=1.0, normalization_rule_name="identity",
-        remove_extra_whitespaces=False, add_dummy_prefix=True, split_digits=True, unk_id=0, bos_id=1, eos_id=2,
-        pad_id=-1, minloglevel=2, num_threads=1)
-    os.remove(prefix + ".vocab")
-    model_path = prefix + ".model"
-    processor = spm.SentencePieceProcessor(model_file=model_path)
-    json_path = os.path.join(out, "tokenizer.json")
-    write_json(json_path, llama2_tokenizer_json(model_path))
-    hf = Tokenizer.from_file(json_path)
-    spm_ids, hf_ids = [], []
-    for text in HELDOUT:
-        ids = processor.encode(text)
-        spm_ids.append(ids)
-        hf_ids.append(hf.encode(text, add_special_tokens=False).ids)
-        assert processor.decode(ids) == text.lstrip(" ") or text.startswith(" "), text
-    write_json(os.path.join(out, "expected.json"), {"texts": HELDOUT, "spm_ids": spm_ids, "hf_ids": hf_ids,
-                                                    "spm_decoded": [processor.decode(ids) for ids in spm_ids],
-                                                    "hf_decoded": [hf.decode(ids) for ids in hf_ids]})
-    return model_path, json_path
+from make_tokenizer_fixtures import ROOT, fresh_dir, make_bytelevel_tokenizer, make_split_tokenizers, \
+    make_spm_tokenizer, write_json
 
 
 # --------------------------------------------------------------------------------------------
@@ -257,6 +146,7 @@ def main():
         return
     bytelevel = make_bytelevel_tokenizer()
     spm_model, spm_json = make_spm_tokenizer()
+    make_split_tokenizers()
     prompt = "It was the best of times, it was"
 
     make_model("llama", LlamaForCausalLM,

@@ -55,6 +55,17 @@ TEST(Tokenizer, ByteLevelBpeMatchesTokenizers) {
   EXPECT_EQ(tokenizer->decode(tokenizer->encode(train)), train);
 }
 
+// Qwen2's and Llama 3's Split regex pre-tokenizers (then ByteLevel without its own regex): the extra
+// lines of expected.json go through every alternative of the regexes (case-folded contractions,
+// a non-letter before letters, digit runs, punctuation before newlines, whitespace runs, other scripts).
+TEST(Tokenizer, SplitRegexBpeMatchesTokenizers) {
+  for (const char* name : {"split_qwen2", "split_llama3"}) {
+    SCOPED_TRACE(name);
+    std::unique_ptr<Tokenizer> tokenizer = load_tokenizer(fixture(name).string());
+    expect_matches_reference(*tokenizer, read_json(fixture(name) / "expected.json"), "ids", nullptr);
+  }
+}
+
 TEST(Tokenizer, LlamaStyleBpeWithByteFallbackMatchesTokenizers) {
   std::unique_ptr<Tokenizer> tokenizer = load_hf_tokenizer(fixture("spm/tokenizer.json").string());
   EXPECT_EQ(tokenizer->bos_token(), 1);
@@ -87,7 +98,19 @@ TEST(Tokenizer, RefusesUnsupportedOrBrokenFiles) {
                  "normalizer type 'NFKC'");
   expect_refused(R"({"model":{"type":"BPE",)" + vocab +
                      R"(,"merges":[]},"pre_tokenizer":{"type":"Sequence","pretokenizers":[{"type":"Split"}]}})",
-                 "pre_tokenizer.pretokenizers[0] type 'Split'");
+                 "pre_tokenizer.pretokenizers[0].pattern");
+  const auto with_split = [&](const std::string& split) {
+    return R"({"model":{"type":"BPE",)" + vocab + R"(,"merges":[]},"pre_tokenizer":{"type":"Split",)" + split + "}}";
+  };
+  expect_refused(with_split(R"("pattern":{"Regex":"\\s+"},"behavior":"Isolated","invert":false)"),
+                 "regex '\\s+' is not supported");
+  expect_refused(with_split(R"("pattern":{"String":" "},"behavior":"Isolated","invert":false)"), "pattern: only");
+  const std::string qwen2 = read_json(fixture("split_qwen2/tokenizer.json"))["pre_tokenizer"]["pretokenizers"][0]
+                                ["pattern"]["Regex"].get<std::string>();
+  const std::string qwen2_pattern = R"("pattern":{"Regex":)" + nlohmann::json(qwen2).dump() + "}";
+  expect_refused(with_split(qwen2_pattern + R"(,"behavior":"Removed","invert":false)"), "behavior 'Removed'");
+  expect_refused(with_split(qwen2_pattern + R"(,"behavior":"Isolated","invert":true)"), "invert = true");
+  EXPECT_NO_THROW(hf_tokenizer_from_json(with_split(qwen2_pattern + R"(,"behavior":"Isolated","invert":false)")));
   expect_refused(R"({"model":{"type":"BPE",)" + vocab + R"(,"merges":[],"unk_token":"<unk>"}})", "unk_token '<unk>'");
   // A character outside the vocabulary, with no byte fallback and no unk token, is an error.
   auto tiny = hf_tokenizer_from_json(R"({"model":{"type":"BPE",)" + vocab + R"(,"merges":["a b"]}})");

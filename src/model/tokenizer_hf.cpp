@@ -172,8 +172,76 @@ std::vector<std::string> split_gpt2(const std::string& text) {
   return words;
 }
 
+// The Split regex of Qwen2 and Llama 3 (they differ in the digits: one at a time, or runs of up to
+// three), by hand, with the leftmost-first, backtracking semantics of the Oniguruma engine HF uses:
+//   (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,max_digits}| ?[^\s\p{L}\p{N}]+[\r\n]*|
+//   \s*[\r\n]+|\s+(?!\S)|\s+
+// The alternatives cover every character, so the pieces cover the text ("isolated" behaviour).
+std::vector<std::string> split_llama3_style(const std::string& text, int max_digits) {
+  using namespace unicode;
+  const std::vector<char32_t> cs = decode_utf8(text);
+  const size_t n = cs.size();
+  const auto at = [&](size_t i) { return i < n ? cs[i] : char32_t{0}; };
+  const auto is_newline = [](char32_t c) { return c == '\r' || c == '\n'; };
+  const auto is_other = [](char32_t c) { return !is_whitespace(c) && !is_letter(c) && !is_number(c); };
+  // (?i) folds case: ASCII, and U+017F (long s) folds to s.
+  const auto folds_to = [](char32_t c, char lower) {
+    return c == static_cast<char32_t>(lower) || c == static_cast<char32_t>(lower - 'a' + 'A') ||
+           (lower == 's' && c == 0x17F);
+  };
+  std::vector<std::string> words;
+  size_t i = 0;
+  while (i < n) {
+    size_t end = i;
+    if (cs[i] == '\'') {
+      const char32_t a = at(i + 1), b = at(i + 2);
+      if (folds_to(a, 's') || folds_to(a, 't') || folds_to(a, 'm') || folds_to(a, 'd')) end = i + 2;
+      else if ((folds_to(a, 'r') || folds_to(a, 'v')) && folds_to(b, 'e')) end = i + 3;
+      else if (folds_to(a, 'l') && folds_to(b, 'l')) end = i + 3;
+    }
+    if (end == i) {  // [^\r\n\p{L}\p{N}]?\p{L}+
+      const size_t body = !is_newline(cs[i]) && !is_letter(cs[i]) && !is_number(cs[i]) && is_letter(at(i + 1)) ? i + 1 : i;
+      if (is_letter(cs[body])) {
+        end = body;
+        while (end < n && is_letter(cs[end])) ++end;
+      }
+    }
+    if (end == i && is_number(cs[i])) {  // \p{N}{1,max_digits}
+      end = i;
+      while (end < n && end - i < static_cast<size_t>(max_digits) && is_number(cs[end])) ++end;
+    }
+    if (end == i) {  // ' ?[^\s\p{L}\p{N}]+[\r\n]*'
+      const size_t body = cs[i] == ' ' && is_other(at(i + 1)) ? i + 1 : i;
+      if (is_other(cs[body])) {
+        end = body;
+        while (end < n && is_other(cs[end])) ++end;
+        while (end < n && is_newline(cs[end])) ++end;
+      }
+    }
+    if (end == i) {  // whitespace
+      size_t run = i;
+      while (run < n && is_whitespace(cs[run])) ++run;
+      size_t last_newline = run;
+      for (size_t k = i; k < run; ++k)
+        if (is_newline(cs[k])) last_newline = k;
+      if (last_newline < run) end = last_newline + 1;        // \s*[\r\n]+
+      else end = (run < n && run - i >= 2) ? run - 1 : run;  // \s+(?!\S), else \s+
+    }
+    words.push_back(encode_utf8(std::vector<char32_t>(cs.begin() + i, cs.begin() + end)));
+    i = end;
+  }
+  return words;
+}
+
+// Split pre-tokenizer regexes twell implements (by hand above), as tokenizer.json holds them.
+constexpr const char* kQwen2SplitRegex =
+    R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+constexpr const char* kLlama3SplitRegex =
+    R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+
 struct PreTokenizer {
-  enum class Kind { sequence, byte_level, digits, metaspace } kind;
+  enum class Kind { sequence, byte_level, digits, metaspace, split } kind;
+  int max_digits = 1;                               // split: digits per piece (Qwen2 1, Llama 3 3)
   bool add_prefix_space = false, use_regex = true;  // byte_level
   bool individual_digits = false;                   // digits
   std::string replacement;                          // metaspace
@@ -206,8 +274,26 @@ struct PreTokenizer {
                         result.prepend_scheme == "never",
                     "tokenizer.json: {}.prepend_scheme '{}' is not supported", where, result.prepend_scheme);
       result.split = bool_field(node, "split", true, where);
+    } else if (type == "Split") {
+      result.kind = Kind::split;
+      TWELL_REQUIRE(node.contains("pattern") && node["pattern"].is_object() && node["pattern"].contains("Regex") &&
+                        node["pattern"]["Regex"].is_string(),
+                    "tokenizer.json: {}.pattern: only the {{\"Regex\": ...}} patterns of Qwen2 and Llama 3 are supported",
+                    where);
+      const std::string regex = node["pattern"]["Regex"].get<std::string>();
+      TWELL_REQUIRE(regex == kQwen2SplitRegex || regex == kLlama3SplitRegex,
+                    "tokenizer.json: {}.pattern: regex '{}' is not supported (twell implements the Split regexes of "
+                    "Qwen2 and Llama 3)",
+                    where, regex);
+      result.max_digits = regex == kQwen2SplitRegex ? 1 : 3;
+      TWELL_REQUIRE(string_field(node, "behavior", where) == "Isolated",
+                    "tokenizer.json: {}.behavior '{}' is not supported (Isolated)", where,
+                    string_field(node, "behavior", where));
+      TWELL_REQUIRE(!bool_field(node, "invert", false, where), "tokenizer.json: {}.invert = true is not supported",
+                    where);
     } else {
-      fail("tokenizer.json: {} type '{}' is not supported (Sequence, ByteLevel, Digits, Metaspace)", where, type);
+      fail("tokenizer.json: {} type '{}' is not supported (Sequence, ByteLevel, Digits, Metaspace, Split)", where,
+           type);
     }
     return result;
   }
@@ -229,6 +315,10 @@ struct PreTokenizer {
             out.push_back(std::move(mapped));
           }
         }
+        break;
+      case Kind::split:
+        for (const std::string& word : words)
+          for (std::string& piece : split_llama3_style(word, max_digits)) out.push_back(std::move(piece));
         break;
       case Kind::digits:  // ASCII digits isolated, one by one or in runs
         for (const std::string& word : words) {
