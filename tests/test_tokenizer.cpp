@@ -10,6 +10,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "model/unicode.h"
 #include "twell/error.h"
 #include "twell/tokenizer.h"
 
@@ -64,6 +65,31 @@ TEST(Tokenizer, SplitRegexBpeMatchesTokenizers) {
     std::unique_ptr<Tokenizer> tokenizer = load_tokenizer(fixture(name).string());
     expect_matches_reference(*tokenizer, read_json(fixture(name) / "expected.json"), "ids", nullptr);
   }
+}
+
+// NFC against Python's unicodedata on random strings of precomposed letters, combining marks in any
+// order (reordering, blocking), Hangul syllables and jamo (tests/fixtures/text/nfc.json, written by
+// scripts/make_unicode_tables.py from the same Unicode version as the tables).
+TEST(Unicode, NfcMatchesPythonUnicodedata) {
+  const nlohmann::json nfc = read_json(std::filesystem::path(__FILE__).parent_path() / "fixtures/text/nfc.json");
+  ASSERT_GE(nfc["samples"].size(), 100u);
+  int changed = 0;
+  for (const auto& sample : nfc["samples"]) {
+    const std::string text = sample["text"].get<std::string>(), expected = sample["nfc"].get<std::string>();
+    EXPECT_EQ(unicode::to_nfc(text), expected) << "NFC of " << sample["text"].dump();
+    changed += text != expected;
+  }
+  EXPECT_GE(changed, 50) << "too few samples that NFC changes to test anything";
+}
+
+TEST(Tokenizer, NfcNormalizerComposesBeforeTheModel) {
+  nlohmann::json json = read_json(fixture("bytelevel/tokenizer.json"));
+  json["normalizer"] = {{"type", "NFC"}};
+  std::unique_ptr<Tokenizer> tokenizer = hf_tokenizer_from_json(json.dump());
+  // e + combining acute, A + ring + acute (reordered marks), a Hangul syllable from jamo.
+  EXPECT_EQ(tokenizer->encode("cafe\u0301"), tokenizer->encode("caf\u00e9"));
+  EXPECT_EQ(tokenizer->encode("A\u0323\u030a"), tokenizer->encode("\u1ea0\u030a"));
+  EXPECT_EQ(tokenizer->encode("\u1100\u1161\u11a8"), tokenizer->encode("\uac01"));
 }
 
 TEST(Tokenizer, LlamaStyleBpeWithByteFallbackMatchesTokenizers) {

@@ -123,10 +123,7 @@ struct Normalizer {
         replace_all(text, a, b);
         return;
       case Kind::nfc:
-        // Text below U+0300 (no combining marks) is already in NFC; composition is not implemented.
-        for (char32_t c : unicode::decode_utf8(text))
-          TWELL_REQUIRE(c < 0x300, "tokenizer: NFC normalization of U+{:04X} is not implemented",
-                        static_cast<uint32_t>(c));
+        text = unicode::to_nfc(text);
         return;
     }
   }
