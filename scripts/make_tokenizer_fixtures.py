@@ -150,6 +150,8 @@ SPLIT_EXTRA = [
     "na\u00efve caf\u00e9 \u65e5\u672c\u8a9e\u3067\u3059 \u0645\u0631\u062d\u0628\u0627 \u0416\u0443\u043a 2\u00bd \u2163",
     "\r\n\r\n\n",
     " ",
+    "ends in punctuation, then a space: ",
+    "a NUL \u0000 between",
 ]
 
 

@@ -178,7 +178,7 @@ std::vector<std::string> split_llama3_style(const std::string& text, int max_dig
   using namespace unicode;
   const std::vector<char32_t> cs = decode_utf8(text);
   const size_t n = cs.size();
-  const auto at = [&](size_t i) { return i < n ? cs[i] : char32_t{0}; };
+  const auto at = [&](size_t i) { return i < n ? cs[i] : char32_t{0}; };  // for the contractions only
   const auto is_newline = [](char32_t c) { return c == '\r' || c == '\n'; };
   const auto is_other = [](char32_t c) { return !is_whitespace(c) && !is_letter(c) && !is_number(c); };
   // (?i) folds case: ASCII, and U+017F (long s) folds to s.
@@ -197,7 +197,8 @@ std::vector<std::string> split_llama3_style(const std::string& text, int max_dig
       else if (folds_to(a, 'l') && folds_to(b, 'l')) end = i + 3;
     }
     if (end == i) {  // [^\r\n\p{L}\p{N}]?\p{L}+
-      const size_t body = !is_newline(cs[i]) && !is_letter(cs[i]) && !is_number(cs[i]) && is_letter(at(i + 1)) ? i + 1 : i;
+      const bool prefix = !is_newline(cs[i]) && !is_letter(cs[i]) && !is_number(cs[i]);
+      const size_t body = prefix && i + 1 < n && is_letter(cs[i + 1]) ? i + 1 : i;
       if (is_letter(cs[body])) {
         end = body;
         while (end < n && is_letter(cs[end])) ++end;
@@ -208,7 +209,7 @@ std::vector<std::string> split_llama3_style(const std::string& text, int max_dig
       while (end < n && end - i < static_cast<size_t>(max_digits) && is_number(cs[end])) ++end;
     }
     if (end == i) {  // ' ?[^\s\p{L}\p{N}]+[\r\n]*'
-      const size_t body = cs[i] == ' ' && is_other(at(i + 1)) ? i + 1 : i;
+      const size_t body = cs[i] == ' ' && i + 1 < n && is_other(cs[i + 1]) ? i + 1 : i;
       if (is_other(cs[body])) {
         end = body;
         while (end < n && is_other(cs[end])) ++end;
