@@ -1,7 +1,7 @@
 // The decode step's projections (src/cuda/decode_gemv.cu): y [M, N] = x [M, K] · Wᵀ for the few rows
 // of a decode step, W [N, K] bf16 row-major (a linear layer's weight as checkpoints store it). A
 // GEMV is bound by the bytes of W; cuBLASLt's kernels for M = 1 stream them at 1.3-2.6 TB/s on an
-// H200 (docs/perf-notes.md), this one is written to stream them at the copy rate. Optionally the
+// H200, this one at 2.4 (O, 8 MB) to 3.2 TB/s (QKV, 25 MB) (docs/perf-notes.md). Optionally the
 // input is the RMSNorm of the fp32 residual stream, computed by every block for itself (one kernel
 // instead of two), and the output is added into the fp32 residual stream.
 #pragma once
