@@ -17,10 +17,6 @@ bin=${1:-.carry/decode}
 out=${OUT:-/tmp/device_decode}
 steps=${STEPS:-tests,sanitize,labs,bench,model}
 source "$(dirname "$0")/device/common.sh"
-log=$out/device.log
-
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw,driver_version --format=csv |
-  tee -a "$log"
 mkdir -p build/tests  # the tests look for their fixtures relative to build/tests
 
 if step tests; then

@@ -12,9 +12,6 @@ bin=${1:-.carry/kern}
 out=${OUT:-/tmp/device_ffn}
 steps=${STEPS:-check,tests,bench,sanitize,grid}
 source "$(dirname "$0")/device/common.sh"
-log=$out/device.log
-
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv | tee -a "$log"
 
 if step check; then
   for lab in "$bin"/lab_twell_ffn*; do

@@ -11,8 +11,6 @@ out=${OUT:-/tmp/device_gate}
 steps=${STEPS:-check,bench,tests,sanitize}
 source "$(dirname "$0")/device/common.sh"
 
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv
-
 # lab_gate_to_twell_* binaries beside lab_gate_to_twell are variants built for a comparison: each
 # gets the quick check and the large-M rows of the bench.
 if step check; then

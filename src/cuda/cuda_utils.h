@@ -99,7 +99,7 @@ bool gpu_available();
 // reads or writes anything the previous kernels touch, and may call allow_dependent_grids() once every
 // block is past that wait, so the next launch overlaps it in turn. Before the wait it may read only
 // data no kernel of the stream writes (weights), which is the point: a decode step's small kernels
-// then load their weights while the kernel before them finishes.
+// then load their weights while the kernel before them finishes. Launch errors throw here.
 template <typename... Params, typename... Args>
 void launch_programmatic(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream,
                          Args&&... args) {

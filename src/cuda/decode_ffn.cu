@@ -811,7 +811,6 @@ void DecodeLayer::run(const bf16* x, int64_t rows, const PredictorConfig& predic
       break;
     case PredictorKind::two_bit_gate: launch<PredictorKind::two_bit_gate>(p, s.tiles, stream); break;
   }
-  TWELL_CUDA_CHECK_LAUNCH();
 }
 
 DecodeStats DecodeLayer::stats(cudaStream_t stream) const {

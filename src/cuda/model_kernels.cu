@@ -323,14 +323,12 @@ __global__ void advance_length_kernel(int32_t* length, int32_t n) {
 void embed(const int32_t* tokens, int64_t rows, const bf16* table, int32_t d_model, float* hidden, cudaStream_t stream) {
   launch_programmatic(embed_kernel, dim3(static_cast<unsigned>(rows)), dim3(kThreads), 0, stream, tokens, table, d_model,
                       hidden);
-  TWELL_CUDA_CHECK_LAUNCH();
 }
 
 void rms_norm(const float* x, int64_t rows, int64_t first, int64_t step, int32_t d_model, const float* weight, float eps,
               bf16* y, cudaStream_t stream) {
   launch_programmatic(rms_norm_kernel, dim3(static_cast<unsigned>(rows)), dim3(kThreads), 0, stream, x, first, step,
                       d_model, weight, eps, y);
-  TWELL_CUDA_CHECK_LAUNCH();
 }
 
 void qkv_rope(const bf16* qkv, const float* bias, const AttentionShape& shape, const int32_t* length, float rope_theta,
@@ -340,20 +338,17 @@ void qkv_rope(const bf16* qkv, const float* bias, const AttentionShape& shape, c
   const dim3 grid(rows, static_cast<unsigned>((items + kRopeThreads - 1) / kRopeThreads));
   launch_programmatic(qkv_rope_kernel, grid, dim3(kRopeThreads), 0, stream, qkv, bias, shape, length, rope_theta, q,
                       k_cache, v_cache);
-  TWELL_CUDA_CHECK_LAUNCH();
 }
 
 void causal_softmax(const float* scores, int64_t rows_total, int32_t tokens, int32_t start, int32_t ld, float scale,
                     bf16* probs, cudaStream_t stream) {
   launch_programmatic(causal_softmax_kernel, dim3(static_cast<unsigned>(rows_total)), dim3(kThreads), 0, stream, scores,
                       tokens, start, ld, scale, probs);
-  TWELL_CUDA_CHECK_LAUNCH();
 }
 
 void heads_to_tokens(const bf16* in, const AttentionShape& shape, bf16* out, cudaStream_t stream) {
   const int64_t count = int64_t{shape.batch} * shape.n_heads * shape.tokens * shape.head_dim;
   launch_programmatic(heads_to_tokens_kernel, dim3(grid_for(count)), dim3(kThreads), 0, stream, in, shape, count, out);
-  TWELL_CUDA_CHECK_LAUNCH();
 }
 
 bool decode_attention_supports(int32_t head_dim) {
@@ -402,30 +397,25 @@ void decode_attention(const bf16* q, const bf16* k_cache, const bf16* v_cache, c
       reinterpret_cast<uint32_t*>(split_results + size_t{heads} * splits * (shape.head_dim + 2));
   launch_programmatic(decode_attention_kernel, dim3(heads, static_cast<unsigned>(splits)), dim3(kDecodeThreads), 0,
                       stream, q, k_cache, v_cache, shape, length, scale, split_results, arrivals, out);
-  TWELL_CUDA_CHECK_LAUNCH();
 }
 
 void add_residual(float* hidden, const bf16* y, int64_t count, cudaStream_t stream) {
   launch_programmatic(add_residual_kernel<bf16>, dim3(grid_for(count)), dim3(kThreads), 0, stream, hidden, y, count);
-  TWELL_CUDA_CHECK_LAUNCH();
 }
 
 void add_residual(float* hidden, const float* y, int64_t count, cudaStream_t stream) {
   launch_programmatic(add_residual_kernel<float>, dim3(grid_for(count)), dim3(kThreads), 0, stream, hidden, y,
                       count);
-  TWELL_CUDA_CHECK_LAUNCH();
 }
 
 void argmax_tokens(const float* logits, int32_t batch, int32_t vocab, const int32_t* length, int32_t* next,
                    int32_t* history, int32_t history_stride, cudaStream_t stream) {
   launch_programmatic(argmax_kernel, dim3(static_cast<unsigned>(batch)), dim3(kThreads), 0, stream, logits, vocab, length,
                       next, history, history_stride);
-  TWELL_CUDA_CHECK_LAUNCH();
 }
 
 void advance_length(int32_t* length, int32_t n, cudaStream_t stream) {
   launch_programmatic(advance_length_kernel, dim3(1), dim3(1), 0, stream, length, n);
-  TWELL_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace twell::cuda::model_kernels

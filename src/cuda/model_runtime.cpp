@@ -147,17 +147,17 @@ struct CudaModel::Impl {
     const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
     const float eps = static_cast<float>(c.rms_norm_eps);
     mk::embed(tokens.data(), rows, embedding.get(), c.d_model, hidden.data(), stream);
+    // A batch-1 decode step's projections are GEMVs (the QKV one normalizes its input itself). On the
+    // H200 they beat cuBLASLt at one row (QKV 1.15x, O 1.63x) but not at four (0.6-1.0x):
+    // docs/perf-notes.md, lab_decode_gemv.
+    const bool gemv = rows == 1 && decode_gemv_supports(1, c.d_model) &&
+                      decode_gemv_supports(1, static_cast<int32_t>(q_dim()));
     for (int32_t index = 0; index < c.n_layers; ++index) {
       DeviceLayer& layer = layers[index];
       bf16* k_layer = k_cache.data() + index * cache_layer_elements();
       bf16* v_layer = v_cache.data() + index * cache_layer_elements();
-      // A batch-1 decode step's projections are GEMVs (the QKV one normalizes its input itself). On the
-      // H200 they beat cuBLASLt at one row (QKV 1.15x, O 1.63x) but not at four (0.6-1.0x):
-      // docs/perf-notes.md, lab_decode_gemv.
-      const bool gemv = rows == 1 && decode_gemv_supports(1, c.d_model) &&
-                        decode_gemv_supports(1, static_cast<int32_t>(q_dim()));
       if (gemv) {
-        decode_gemv(static_cast<int32_t>(rows), static_cast<int32_t>(qkv_width()), c.d_model,
+        decode_gemv(1, static_cast<int32_t>(qkv_width()), c.d_model,
                     GemvInput::rms_norm(hidden.data(), layer.attn_norm.get(), eps), layer.wqkv.get(), qkv.data(),
                     GemvOutput::bf16, stream);
       } else {
@@ -176,7 +176,7 @@ struct CudaModel::Impl {
         gemm_attention.run(gemm, q.data(), k_layer, v_layer, shape, length, scale, attention.data(), stream);
       // h [rows, D] += attention [rows, H_q·Dh] · Wo^T, accumulated in fp32 by the GEMM
       if (gemv)
-        decode_gemv(static_cast<int32_t>(rows), c.d_model, static_cast<int32_t>(q_dim()),
+        decode_gemv(1, c.d_model, static_cast<int32_t>(q_dim()),
                     GemvInput::rows(attention.data()), layer.wo.get(), hidden.data(), GemvOutput::f32_add, stream);
       else
         gemm.run(rows, d, q_dim(), {attention.data(), q_dim(), false}, {layer.wo.get(), q_dim(), true}, hidden.data(),
