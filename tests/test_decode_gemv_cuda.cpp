@@ -112,6 +112,59 @@ INSTANTIATE_TEST_SUITE_P(
                     GemvCase{"many_loads_a_block", 3, 40000, 64, false, GemvOutput::bf16}),
     [](const testing::TestParamInfo<GemvCase>& info) { return info.param.name; });
 
+struct TailCase {
+  std::string name;
+  int32_t rows, n, k;
+};
+
+class DecodeGemvTailTest : public test::CudaTest<testing::TestWithParam<TailCase>> {};
+
+// Three calls in a row add into y; after each, normed must be the RMSNorm of y as it then is (float64
+// here, from the y the GPU holds) in every element: normed starts each call as NaN, and a counter
+// not left at zero by the call before would make no block the last one.
+TEST_P(DecodeGemvTailTest, NormalizesYAfterEveryBlockAdded) {
+  const TailCase& c = GetParam();
+  const uint64_t seed = static_cast<uint64_t>(c.rows * 131 + c.n * 7 + c.k);
+  const std::vector<float> w = rounded_normal(int64_t{c.n} * c.k, 0.05, seed);
+  const std::vector<float> x = rounded_normal(int64_t{c.rows} * c.k, 1.0, seed + 1);
+  const std::vector<float> norm_weight = make_normal(c.n, 1.0, seed + 2);
+  const std::vector<float> y_start = make_normal(int64_t{c.rows} * c.n, 3.0, seed + 3);
+  const float eps = 1e-5f;
+  const cuda::DeviceArray<bf16> w_device = cuda::upload_bf16(w.data(), w.size());
+  const cuda::DeviceArray<bf16> x_device = cuda::upload_bf16(x.data(), x.size());
+  cuda::DeviceArray<float> y = cuda::make_device_array<float>(y_start.size());
+  cuda::DeviceArray<float> norm_device = cuda::make_device_array<float>(norm_weight.size());
+  cuda::DeviceArray<unsigned int> arrivals = cuda::make_device_array<unsigned int>(1);
+  cuda::copy_to_device(y.get(), y_start.data(), y_start.size() * sizeof(float));
+  cuda::copy_to_device(norm_device.get(), norm_weight.data(), norm_weight.size() * sizeof(float));
+  const unsigned int zero = 0;
+  cuda::copy_to_device(arrivals.get(), &zero, sizeof(zero));
+  const std::vector<float> poison(y_start.size(), std::numeric_limits<float>::quiet_NaN());
+  for (int call = 0; call < 3; ++call) {
+    const cuda::DeviceArray<bf16> normed = cuda::upload_bf16(poison.data(), poison.size());
+    cuda::decode_gemv(c.rows, c.n, c.k, cuda::GemvInput::rows(x_device.get()), w_device.get(), y.get(),
+                      GemvOutput::f32_add, nullptr, {norm_device.get(), eps, normed.get(), arrivals.get()});
+    std::vector<float> y_now(y_start.size());
+    cuda::copy_to_host(y_now.data(), y.get(), y_now.size() * sizeof(float));
+    const std::vector<float> got = cuda::download_bf16(normed.get(), y_now.size());
+    std::vector<double> expected(y_now.size());
+    for (int32_t m = 0; m < c.rows; ++m) {
+      double sum = 0;
+      for (int32_t n = 0; n < c.n; ++n) sum += double{y_now[m * c.n + n]} * y_now[m * c.n + n];
+      const double inv_rms = 1.0 / std::sqrt(sum / c.n + eps);
+      for (int32_t n = 0; n < c.n; ++n) expected[m * c.n + n] = norm_weight[n] * (y_now[m * c.n + n] * inv_rms);
+    }
+    for (size_t i = 0; i < got.size(); ++i) ASSERT_TRUE(std::isfinite(got[i])) << "call " << call << ", element " << i;
+    // bf16 rounding of each element: <= 2^-9 relative.
+    EXPECT_LT(relative_l2_error(got.data(), expected.data(), got.size()), 3e-3) << "call " << call;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, DecodeGemvTailTest,
+                         testing::Values(TailCase{"one_row_one_block", 1, 8, 64}, TailCase{"odd_rows", 3, 1000, 136},
+                                         TailCase{"model_o", 1, 2048, 2048}, TailCase{"four_rows", 4, 520, 2056}),
+                         [](const testing::TestParamInfo<TailCase>& info) { return info.param.name; });
+
 class DecodeGemvRefusal : public test::CudaTest<> {};
 
 TEST_F(DecodeGemvRefusal, NamesTheProblem) {
@@ -125,6 +178,18 @@ TEST_F(DecodeGemvRefusal, NamesTheProblem) {
   EXPECT_THROW(cuda::decode_gemv(1, 64, 64, cuda::GemvInput{}, w.get(), y.get(), GemvOutput::bf16, nullptr), Error);
   EXPECT_THROW(cuda::decode_gemv(1, 63, 64, cuda::GemvInput::rows(x.get() + 1), w.get(), y.get(), GemvOutput::bf16,
                                  nullptr),
+               Error);
+  cuda::DeviceArray<unsigned int> arrivals = cuda::make_device_array<unsigned int>(1);
+  const cuda::DeviceArray<float> norm = cuda::make_device_array<float>(64);
+  // The tail needs the fp32 output, N a multiple of 8, a weight and an output.
+  EXPECT_THROW(cuda::decode_gemv(1, 64, 64, input, w.get(), y.get(), GemvOutput::bf16, nullptr,
+                                 {norm.get(), 1e-5f, y.get(), arrivals.get()}),
+               Error);
+  EXPECT_THROW(cuda::decode_gemv(1, 60, 64, input, w.get(), y.get(), GemvOutput::f32_add, nullptr,
+                                 {norm.get(), 1e-5f, y.get(), arrivals.get()}),
+               Error);
+  EXPECT_THROW(cuda::decode_gemv(1, 64, 64, input, w.get(), y.get(), GemvOutput::f32_add, nullptr,
+                                 {nullptr, 1e-5f, y.get(), arrivals.get()}),
                Error);
 }
 

@@ -25,6 +25,7 @@ struct GemvParams {
   const bf16* w;  // [N, K]
   void* y;        // [M, N]
   GemvOutput output;
+  GemvRmsNormTail tail;  // arrivals null: none
   int32_t rows, n, k, rows_per_block, stages;
 };
 
@@ -58,8 +59,47 @@ __device__ __forceinline__ void wait_barrier(uint64_t* barrier, uint32_t phase) 
       : "memory");
 }
 
-// x [rows, K] as bf16 into shared memory: copied, or normalized from the fp32 rows (each block
-// computes the same sums; a row is 4·K bytes out of the L2).
+// inv_rms[m] = 1 / sqrt(mean(h[m]²) + eps) for the fp32 rows h [rows, K] (each block computes the same
+// sums, in the same order: a row is 4·K bytes out of the L2). __ldcg: rows that other blocks of this
+// grid added to are read from the L2, never from a stale L1 line.
+template <int kMaxRows>
+__device__ void rows_inv_rms(const float* hidden, int rows, int k, float eps, float* inv_rms) {
+  __shared__ float warp_sums[kWarps][kMaxRows];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int m = 0; m < rows; ++m) {
+    const auto* row = reinterpret_cast<const float4*>(hidden + static_cast<int64_t>(m) * k);
+    float sum = 0.0f;
+    for (int i = threadIdx.x; i < k / 4; i += kThreads) {
+      const float4 v = __ldcg(row + i);
+      sum += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    }
+    sum = warp_sum(sum);
+    if (lane == 0) warp_sums[warp][m] = sum;
+  }
+  __syncthreads();
+  if (threadIdx.x < rows) {
+    float sum = 0.0f;
+    for (int w = 0; w < kWarps; ++w) sum += warp_sums[w][threadIdx.x];
+    inv_rms[threadIdx.x] = 1.0f / sqrtf(sum / k + eps);
+  }
+  __syncthreads();
+}
+
+// Columns 8·piece .. + 7 of bf16(weight ⊙ h_row · inv_rms), packed.
+__device__ __forceinline__ uint4 normalized_piece(const float* h_row, const float* weight, float inv_rms, int piece) {
+  const auto* h = reinterpret_cast<const float4*>(h_row) + 2 * piece;
+  const auto* g = reinterpret_cast<const float4*>(weight) + 2 * piece;
+  uint32_t packed[4];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const float4 v = __ldcg(h + half), w = g[half];
+    packed[2 * half] = pack_bf16(w.x * (v.x * inv_rms), w.y * (v.y * inv_rms));
+    packed[2 * half + 1] = pack_bf16(w.z * (v.z * inv_rms), w.w * (v.w * inv_rms));
+  }
+  return make_uint4(packed[0], packed[1], packed[2], packed[3]);
+}
+
+// x [rows, K] as bf16 into shared memory: copied, or normalized from the fp32 rows.
 template <int kMaxRows>
 __device__ void stage_x(const GemvParams& p, uint4* x_shared) {
   const int pieces = p.k / 8;
@@ -68,39 +108,33 @@ __device__ void stage_x(const GemvParams& p, uint4* x_shared) {
     for (int i = threadIdx.x; i < p.rows * pieces; i += kThreads) x_shared[i] = x[i];
     return;
   }
-  __shared__ float warp_sums[kWarps][kMaxRows];
   __shared__ float inv_rms[kMaxRows];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int m = 0; m < p.rows; ++m) {
-    const auto* row = reinterpret_cast<const float4*>(p.input.hidden + static_cast<int64_t>(m) * p.k);
-    float sum = 0.0f;
-    for (int i = threadIdx.x; i < p.k / 4; i += kThreads) {
-      const float4 v = row[i];
-      sum += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-    }
-    sum = warp_sum(sum);
-    if (lane == 0) warp_sums[warp][m] = sum;
-  }
-  __syncthreads();
-  if (threadIdx.x < p.rows) {
-    float sum = 0.0f;
-    for (int w = 0; w < kWarps; ++w) sum += warp_sums[w][threadIdx.x];
-    inv_rms[threadIdx.x] = 1.0f / sqrtf(sum / p.k + p.input.eps);
-  }
-  __syncthreads();
-  const auto* weight = reinterpret_cast<const float4*>(p.input.norm_weight);
+  rows_inv_rms<kMaxRows>(p.input.hidden, p.rows, p.k, p.input.eps, inv_rms);
   for (int i = threadIdx.x; i < p.rows * pieces; i += kThreads) {
-    const int m = i / pieces, piece = i % pieces;
-    const auto* h = reinterpret_cast<const float4*>(p.input.hidden + static_cast<int64_t>(m) * p.k) + 2 * piece;
-    const float scale = inv_rms[m];
-    uint32_t packed[4];
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const float4 v = h[half], g = weight[2 * piece + half];
-      packed[2 * half] = pack_bf16(g.x * (v.x * scale), g.y * (v.y * scale));
-      packed[2 * half + 1] = pack_bf16(g.z * (v.z * scale), g.w * (v.w * scale));
-    }
-    x_shared[i] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    const int m = i / pieces;
+    x_shared[i] = normalized_piece(p.input.hidden + static_cast<int64_t>(m) * p.k, p.input.norm_weight, inv_rms[m],
+                                   i % pieces);
+  }
+}
+
+// The tail of an f32_add call: the last block to finish normalizes the rows of y that all blocks added to.
+template <int kMaxRows>
+__device__ void rms_norm_tail(const GemvParams& p) {
+  __shared__ bool is_last;
+  __threadfence();  // this block's additions to y are visible before its arrival is counted
+  __syncthreads();
+  if (threadIdx.x == 0) is_last = atomicAdd(p.tail.arrivals, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!is_last) return;
+  if (threadIdx.x == 0) *p.tail.arrivals = 0;  // for the next call or replay
+  const auto* y = static_cast<const float*>(p.y);
+  __shared__ float inv_rms[kMaxRows];
+  rows_inv_rms<kMaxRows>(y, p.rows, p.n, p.tail.eps, inv_rms);
+  const int pieces = p.n / 8;
+  for (int i = threadIdx.x; i < p.rows * pieces; i += kThreads) {
+    const int m = i / pieces;
+    reinterpret_cast<uint4*>(p.tail.normed)[i] =
+        normalized_piece(y + static_cast<int64_t>(m) * p.n, p.tail.weight, inv_rms[m], i % pieces);
   }
 }
 
@@ -163,6 +197,7 @@ __global__ void __launch_bounds__(kThreads) decode_gemv_kernel(GemvParams p) {
       }
     }
   }
+  if (p.tail.arrivals != nullptr) rms_norm_tail<kMaxRows>(p);
 }
 
 // Shared memory a block takes: two blocks share an SM, so one block's loads stream while the other
@@ -191,7 +226,7 @@ bool decode_gemv_supports(int32_t rows, int32_t k) {
 }
 
 void decode_gemv(int32_t rows, int32_t n, int32_t k, const GemvInput& input, const bf16* w, void* y,
-                 GemvOutput output, cudaStream_t stream) {
+                 GemvOutput output, cudaStream_t stream, const GemvRmsNormTail& tail) {
   TWELL_REQUIRE(rows >= 1 && rows <= kDecodeGemvMaxRows, "decode_gemv: rows must lie in [1, {}], got {}",
                 kDecodeGemvMaxRows, rows);
   TWELL_REQUIRE(n >= 1 && k >= 8 && k % 8 == 0,
@@ -204,6 +239,13 @@ void decode_gemv(int32_t rows, int32_t n, int32_t k, const GemvInput& input, con
   const auto aligned = [](const void* pointer) { return reinterpret_cast<uintptr_t>(pointer) % 16 == 0; };
   TWELL_REQUIRE(aligned(w) && aligned(input.x) && aligned(input.hidden) && aligned(input.norm_weight),
                 "decode_gemv: W, x, the fp32 rows and the norm weight must be 16-byte aligned");
+  if (tail.arrivals != nullptr) {
+    TWELL_REQUIRE(output == GemvOutput::f32_add && n % 8 == 0,
+                  "decode_gemv: the RMSNorm tail needs the f32_add output and N a multiple of 8, got N = {}", n);
+    TWELL_REQUIRE(tail.weight != nullptr && tail.normed != nullptr && aligned(tail.weight) && aligned(tail.normed) &&
+                      aligned(y),
+                  "decode_gemv: the RMSNorm tail needs a norm weight and an output, 16-byte aligned like y");
+  }
   const int64_t x_bytes = int64_t{rows} * k * 2;
   const auto stages = static_cast<int32_t>(
       std::clamp<int64_t>((shared_budget() - x_bytes) / stage_bytes(k), 1, kMaxStages));
@@ -212,7 +254,7 @@ void decode_gemv(int32_t rows, int32_t n, int32_t k, const GemvInput& input, con
   const int64_t loads_per_block = std::max<int64_t>(1, (n + blocks_wanted * kWarps - 1) / (blocks_wanted * kWarps));
   const auto rows_per_block = static_cast<int32_t>(loads_per_block * kWarps);
   const auto blocks = static_cast<int>((n + rows_per_block - 1) / rows_per_block);
-  const GemvParams p{input, w, y, output, rows, n, k, rows_per_block, stages};
+  const GemvParams p{input, w, y, output, tail, rows, n, k, rows_per_block, stages};
   if (rows == 1)
     launch<1>(p, blocks, stream);
   else

@@ -3,7 +3,8 @@
 // GEMV is bound by the bytes of W; cuBLASLt's kernels for M = 1 stream them at 1.3-2.6 TB/s on an
 // H200, this one at 2.4 (O, 8 MB) to 3.2 TB/s (QKV, 25 MB) (docs/perf-notes.md). Optionally the
 // input is the RMSNorm of the fp32 residual stream, computed by every block for itself (one kernel
-// instead of two), and the output is added into the fp32 residual stream.
+// instead of two), and the output is added into the fp32 residual stream, after which the last block
+// can normalize the sum for the next layer (GemvRmsNormTail).
 #pragma once
 
 #include <cstdint>
@@ -36,6 +37,17 @@ enum class GemvOutput {
   f32_add,        // y: fp32 [M, N], y += x · Wᵀ
 };
 
+// An f32_add call's optional last step, done by the last block to finish: normed [M, N] bf16 = the
+// RMSNorm of the rows of y after the addition (rounded as GemvInput::rms_norm rounds), so the next
+// layer's input needs no kernel of its own. `arrivals` is a counter that starts at zero; each call
+// leaves it at zero again (a captured call replays as is); calls that share one must not overlap.
+struct GemvRmsNormTail {
+  const float* weight = nullptr;  // [N]
+  float eps = 0.0f;
+  bf16* normed = nullptr;         // [M, N]
+  unsigned int* arrivals = nullptr;  // null: no tail
+};
+
 // Whether decode_gemv takes `rows` rows of K columns (K a multiple of 8, and a load of 8 rows of W
 // with x fits in a block's shared memory: K up to ~11000 on an H200).
 bool decode_gemv_supports(int32_t rows, int32_t k);
@@ -44,6 +56,6 @@ bool decode_gemv_supports(int32_t rows, int32_t k);
 // normalizing). Launched as a programmatic dependent launch (cuda_utils.h): its blocks start loading
 // their rows of W before waiting for the previous kernel.
 void decode_gemv(int32_t rows, int32_t n, int32_t k, const GemvInput& input, const bf16* w, void* y,
-                 GemvOutput output, cudaStream_t stream);
+                 GemvOutput output, cudaStream_t stream, const GemvRmsNormTail& tail = {});
 
 }  // namespace twell::cuda

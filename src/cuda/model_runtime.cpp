@@ -78,6 +78,7 @@ struct CudaModel::Impl {
   DeviceBuffer<bf16> ffn_out;     // [rows, D]
   DeviceBuffer<float> logits;     // [out rows, V]
   DeviceBuffer<std::byte> decode_attention_workspace;  // mk::decode_attention_workspace_bytes, zeroed at reset
+  DeviceBuffer<unsigned int> gemv_arrivals;            // [1] the O GEMV's RMSNorm tail counter, zeroed at reset
 
   std::map<std::pair<int32_t, bool>, cudaGraphExec_t> graphs;  // (B, LM head) -> decode step
   std::set<std::pair<int32_t, bool>> warmed;                   // ran once eagerly at that shape
@@ -174,14 +175,17 @@ struct CudaModel::Impl {
         fused_prefill_attention(q.data(), k_layer, v_layer, shape, length, scale, attention.data(), stream);
       else
         gemm_attention.run(gemm, q.data(), k_layer, v_layer, shape, length, scale, attention.data(), stream);
-      // h [rows, D] += attention [rows, H_q·Dh] · Wo^T, accumulated in fp32 by the GEMM
-      if (gemv)
-        decode_gemv(1, c.d_model, static_cast<int32_t>(q_dim()),
-                    GemvInput::rows(attention.data()), layer.wo.get(), hidden.data(), GemvOutput::f32_add, stream);
-      else
+      // h [rows, D] += attention [rows, H_q·Dh] · Wo^T, accumulated in fp32; then the FFN's RMSNorm
+      // (at one row the GEMV's last block does it: one launch fewer per layer).
+      if (gemv) {
+        decode_gemv(1, c.d_model, static_cast<int32_t>(q_dim()), GemvInput::rows(attention.data()), layer.wo.get(),
+                    hidden.data(), GemvOutput::f32_add, stream,
+                    {layer.ffn_norm.get(), eps, normed.data(), gemv_arrivals.data()});
+      } else {
         gemm.run(rows, d, q_dim(), {attention.data(), q_dim(), false}, {layer.wo.get(), q_dim(), true}, hidden.data(),
                  d, GemmOutput::f32, 1.0f, stream);
-      mk::rms_norm(hidden.data(), rows, 0, 1, c.d_model, layer.ffn_norm.get(), eps, normed.data(), stream);
+        mk::rms_norm(hidden.data(), rows, 0, 1, c.d_model, layer.ffn_norm.get(), eps, normed.data(), stream);
+      }
       ffn(index, n);
     }
     mk::advance_length(length_device.data(), n, stream);
@@ -389,6 +393,8 @@ void CudaModel::reset(int32_t batch, int32_t capacity) {
       mk::decode_attention_workspace_bytes({batch, 1, c.n_heads, c.n_kv_heads, c.head_dim, stride});
   m.grow(m.decode_attention_workspace, static_cast<int64_t>(attention_bytes));
   TWELL_CUDA_CHECK(cudaMemsetAsync(m.decode_attention_workspace.data(), 0, attention_bytes, m.stream));
+  m.grow(m.gemv_arrivals, 1);
+  TWELL_CUDA_CHECK(cudaMemsetAsync(m.gemv_arrivals.data(), 0, sizeof(unsigned int), m.stream));
   m.length = 0;
   m.next_tokens_ready = false;
   m.replays = 0;
