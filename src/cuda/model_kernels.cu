@@ -80,6 +80,32 @@ __global__ void rms_norm_kernel(const float* x, int64_t first, int64_t step, int
   for (int32_t k = threadIdx.x; k < d_model; k += blockDim.x) out[k] = to_bf16(weight[k] * (row[k] * inv_rms));
 }
 
+// Element `column` of a qkv row [H_q·Dh + 2·H_kv·Dh] plus its bias (fp32, null when the model has none).
+__device__ __forceinline__ float qkv_element(const bf16* row, const float* bias, int64_t column) {
+  return to_float(row[column]) + (bias ? bias[column] : 0.0f);
+}
+
+struct RotatedPair {
+  bf16 low, high;  // elements i and i + Dh/2 of the head
+};
+
+// The model's RoPE (HF rotate_half, fp32 as HF computes it) of the pair i of the head that starts at
+// `head_column` of a qkv row, the bias added first, at `position`; rounded to bf16. The only copy of
+// this arithmetic: qkv_rope and decode_attention_rope must produce the same bits.
+__device__ __forceinline__ RotatedPair rope_pair(const bf16* row, const float* bias, int64_t head_column, int32_t i,
+                                                 int32_t dh, int32_t position, float rope_theta) {
+  const int32_t half = dh / 2;
+  const float inv_freq = 1.0f / powf(rope_theta, static_cast<float>(2 * i) / static_cast<float>(dh));
+  const float angle = __fmul_rn(static_cast<float>(position), inv_freq);
+  // Accurate cosf/sinf as HF's fp32 RoPE (their large-angle reduction costs a 32-byte stack frame).
+  const float c = cosf(angle), sn = sinf(angle);
+  const float x0 = qkv_element(row, bias, head_column + i), x1 = qkv_element(row, bias, head_column + i + half);
+  // x0·c − x1·s and x1·c + x0·s with the roundings spelled out: left to the compiler, the products
+  // may be contracted into FMAs differently in each kernel this is inlined into. These are the
+  // contractions nvcc had chosen for qkv_rope.
+  return {to_bf16(__fmaf_rn(x0, c, -__fmul_rn(x1, sn))), to_bf16(__fmaf_rn(x0, sn, __fmul_rn(x1, c)))};
+}
+
 // One thread per rotated (q or k head, i) pair or per value element of one row: grid (rows, pieces
 // of the row). At one decode row a single block looping over the row spent ~17 us on the angles.
 __global__ void qkv_rope_kernel(const bf16* qkv, const float* bias, AttentionShape s, const int32_t* length,
@@ -91,26 +117,21 @@ __global__ void qkv_rope_kernel(const bf16* qkv, const float* bias, AttentionSha
   const int64_t q_width = int64_t{s.n_heads} * dh, kv_width = int64_t{s.n_kv_heads} * dh;
   const int64_t width = q_width + 2 * kv_width;
   const bf16* in = qkv + r * width;
-  auto value = [&](int64_t column) { return to_float(in[column]) + (bias ? bias[column] : 0.0f); };
   const int32_t pairs = (s.n_heads + s.n_kv_heads) * half;
   const int32_t index = static_cast<int32_t>(blockIdx.y * blockDim.x + threadIdx.x);
   if (index < pairs) {
     const int32_t head = index / half, i = index % half;
     const bool is_query = head < s.n_heads;
-    const int64_t column = int64_t{head} * dh;  // q heads, then k heads, in the qkv row
     bf16* out = is_query ? q + ((int64_t{b} * s.n_heads + head) * s.tokens + t) * dh
                          : k_cache + ((int64_t{b} * s.n_kv_heads + (head - s.n_heads)) * s.cache_stride + position) * dh;
-    const float inv_freq = 1.0f / powf(rope_theta, static_cast<float>(2 * i) / static_cast<float>(dh));
-    const float angle = static_cast<float>(position) * inv_freq;
-    // Accurate cosf/sinf as HF's fp32 RoPE (their large-angle reduction is this kernel's 32-byte stack frame).
-    const float c = cosf(angle), sn = sinf(angle);
-    const float x0 = value(column + i), x1 = value(column + i + half);
-    out[i] = to_bf16(x0 * c - x1 * sn);
-    out[i + half] = to_bf16(x1 * c + x0 * sn);
+    // q heads, then k heads, in the qkv row
+    const RotatedPair rotated = rope_pair(in, bias, int64_t{head} * dh, i, dh, position, rope_theta);
+    out[i] = rotated.low;
+    out[i + half] = rotated.high;
   } else if (const int32_t element = index - pairs; element < kv_width) {  // of the values
     const int32_t head = element / dh, d = element % dh;
     v_cache[((int64_t{b} * s.n_kv_heads + head) * s.cache_stride + position) * dh + d] =
-        to_bf16(value(q_width + kv_width + element));
+        to_bf16(qkv_element(in, bias, q_width + kv_width + element));
   }
 }
 
