@@ -277,5 +277,20 @@ TEST(Reference, CausalAttentionKnownCases) {
   EXPECT_THROW(ref::causal_attention(q.data(), keys.data(), values.data(), continued, 1.0), Error);
 }
 
+// Pair i turns by position·theta^(-2i/Dh) radians: pair 0 by the position itself, pair 1 of a Dh 4
+// head at theta 100 by a tenth of it; position 0 leaves the head as it is.
+TEST(Reference, RopeKnownCases) {
+  std::vector<double> head{1.0, 2.0, 0.0, 0.5};  // pairs (1, 0) and (2, 0.5)
+  ref::rope(head.data(), 4, 0, 100.0f);
+  EXPECT_EQ(head, (std::vector<double>{1.0, 2.0, 0.0, 0.5}));
+  ref::rope(head.data(), 4, 3, 100.0f);
+  const double pair1 = 3 * 0.1;  // 3 / 100^(2/4), which the fp32 angle holds to within 2e-8
+  EXPECT_NEAR(head[0], std::cos(3.0), 1e-12);
+  EXPECT_NEAR(head[2], std::sin(3.0), 1e-12);
+  EXPECT_NEAR(head[1], 2 * std::cos(pair1) - 0.5 * std::sin(pair1), 1e-7);
+  EXPECT_NEAR(head[3], 0.5 * std::cos(pair1) + 2 * std::sin(pair1), 1e-7);
+  EXPECT_THROW(ref::rope(head.data(), 3, 1, 100.0f), Error);
+}
+
 }  // namespace
 }  // namespace twell

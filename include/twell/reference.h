@@ -85,4 +85,9 @@ struct CachedAttentionShape {
 std::vector<double> causal_attention(const float* q, const float* keys, const float* values,
                                      const CachedAttentionShape& shape, double scale);
 
+// HF's RoPE (rotate_half) of one head x [Dh] at `position`, in place: the inverse frequencies and
+// angles in fp32 as HF computes them (they define the model's positions), cos, sin and the rotation
+// in float64.
+void rope(double* x, int32_t head_dim, int32_t position, float rope_theta);
+
 }  // namespace twell::ref

@@ -20,6 +20,8 @@ constexpr int kDecodeThreads = 128;
 constexpr int kDecodeRowsPerLoad = 4;
 // The block that merges a head's splits weighs one split per thread.
 constexpr int kDecodeMaxSplits = kDecodeThreads;
+// A row is read by at most a warp of lanes, 16 bytes (8 bf16) each.
+constexpr int kDecodeMaxHeadDim = 32 * 8;
 
 // Sum (or max) over the block; every thread gets the result. `scratch` holds 32 floats.
 template <bool kMax>
@@ -80,6 +82,32 @@ __global__ void rms_norm_kernel(const float* x, int64_t first, int64_t step, int
   for (int32_t k = threadIdx.x; k < d_model; k += blockDim.x) out[k] = to_bf16(weight[k] * (row[k] * inv_rms));
 }
 
+// Element `column` of a qkv row [H_q·Dh + 2·H_kv·Dh] plus its bias (fp32, null when the model has none).
+__device__ __forceinline__ float qkv_element(const bf16* row, const float* bias, int64_t column) {
+  return to_float(row[column]) + (bias ? bias[column] : 0.0f);
+}
+
+struct RotatedPair {
+  bf16 low, high;  // elements i and i + Dh/2 of the head
+};
+
+// The model's RoPE (HF rotate_half, fp32 as HF computes it) of the pair i of the head that starts at
+// `head_column` of a qkv row, the bias added first, at `position`; rounded to bf16. The only copy of
+// this arithmetic: qkv_rope and decode_attention_rope must produce the same bits.
+__device__ __forceinline__ RotatedPair rope_pair(const bf16* row, const float* bias, int64_t head_column, int32_t i,
+                                                 int32_t dh, int32_t position, float rope_theta) {
+  const int32_t half = dh / 2;
+  const float inv_freq = 1.0f / powf(rope_theta, static_cast<float>(2 * i) / static_cast<float>(dh));
+  const float angle = __fmul_rn(static_cast<float>(position), inv_freq);
+  // Accurate cosf/sinf as HF's fp32 RoPE (their large-angle reduction costs a 32-byte stack frame).
+  const float c = cosf(angle), sn = sinf(angle);
+  const float x0 = qkv_element(row, bias, head_column + i), x1 = qkv_element(row, bias, head_column + i + half);
+  // x0·c − x1·s and x1·c + x0·s with the roundings spelled out: left to the compiler, the products
+  // may be contracted into FMAs differently in each kernel this is inlined into. These are the
+  // contractions nvcc had chosen for qkv_rope.
+  return {to_bf16(__fmaf_rn(x0, c, -__fmul_rn(x1, sn))), to_bf16(__fmaf_rn(x0, sn, __fmul_rn(x1, c)))};
+}
+
 // One thread per rotated (q or k head, i) pair or per value element of one row: grid (rows, pieces
 // of the row). At one decode row a single block looping over the row spent ~17 us on the angles.
 __global__ void qkv_rope_kernel(const bf16* qkv, const float* bias, AttentionShape s, const int32_t* length,
@@ -91,26 +119,21 @@ __global__ void qkv_rope_kernel(const bf16* qkv, const float* bias, AttentionSha
   const int64_t q_width = int64_t{s.n_heads} * dh, kv_width = int64_t{s.n_kv_heads} * dh;
   const int64_t width = q_width + 2 * kv_width;
   const bf16* in = qkv + r * width;
-  auto value = [&](int64_t column) { return to_float(in[column]) + (bias ? bias[column] : 0.0f); };
   const int32_t pairs = (s.n_heads + s.n_kv_heads) * half;
   const int32_t index = static_cast<int32_t>(blockIdx.y * blockDim.x + threadIdx.x);
   if (index < pairs) {
     const int32_t head = index / half, i = index % half;
     const bool is_query = head < s.n_heads;
-    const int64_t column = int64_t{head} * dh;  // q heads, then k heads, in the qkv row
     bf16* out = is_query ? q + ((int64_t{b} * s.n_heads + head) * s.tokens + t) * dh
                          : k_cache + ((int64_t{b} * s.n_kv_heads + (head - s.n_heads)) * s.cache_stride + position) * dh;
-    const float inv_freq = 1.0f / powf(rope_theta, static_cast<float>(2 * i) / static_cast<float>(dh));
-    const float angle = static_cast<float>(position) * inv_freq;
-    // Accurate cosf/sinf as HF's fp32 RoPE (their large-angle reduction is this kernel's 32-byte stack frame).
-    const float c = cosf(angle), sn = sinf(angle);
-    const float x0 = value(column + i), x1 = value(column + i + half);
-    out[i] = to_bf16(x0 * c - x1 * sn);
-    out[i + half] = to_bf16(x1 * c + x0 * sn);
+    // q heads, then k heads, in the qkv row
+    const RotatedPair rotated = rope_pair(in, bias, int64_t{head} * dh, i, dh, position, rope_theta);
+    out[i] = rotated.low;
+    out[i + half] = rotated.high;
   } else if (const int32_t element = index - pairs; element < kv_width) {  // of the values
     const int32_t head = element / dh, d = element % dh;
     v_cache[((int64_t{b} * s.n_kv_heads + head) * s.cache_stride + position) * dh + d] =
-        to_bf16(value(q_width + kv_width + element));
+        to_bf16(qkv_element(in, bias, q_width + kv_width + element));
   }
 }
 
@@ -144,39 +167,82 @@ __global__ void heads_to_tokens_kernel(const bf16* in, AttentionShape s, int64_t
   }
 }
 
-// Flash decoding. Block (head = b·H_q + h, split) of the grid (B·H_q, splits) takes a contiguous
-// chunk of the visible positions. The chunk is sized on the device from *length, so that every
-// split gets work whatever the length (the host sizes the grid from the cache stride and the SM
-// count: a captured step cannot know the length). A key row and its value row are read as Dh/8
-// 16-byte pieces by as many neighbouring lanes, kDecodeRowsPerLoad rows per thread at once, value
-// rows with the key rows: one round trip to memory covers the chunk of a short cache. Each thread
-// keeps a running softmax (max, sum, unnormalized P·V, fp32) over its rows; the block merges them,
-// writes its split's (max, sum, P·V) and the last block of the head to arrive merges the splits
-// (log-sum-exp rescaling) and resets the head's arrival counter for the next call or replay.
+// Flash decoding, with the step's RoPE. Block (head = b·H_q + h, split) of the grid (B·H_q, splits)
+// takes a contiguous chunk of the visible positions. The chunk is sized on the device from *length,
+// so that every split gets work whatever the length (the host sizes the grid from the cache stride
+// and the SM count: a captured step cannot know the length). A key row and its value row are read as
+// Dh/8 16-byte pieces by as many neighbouring lanes, kDecodeRowsPerLoad rows per thread at once,
+// value rows with the key rows: one round trip to memory covers the chunk of a short cache. Each
+// thread keeps a running softmax (max, sum, unnormalized P·V, fp32) over its rows; the block merges
+// them, writes its split's (max, sum, P·V) and the last block of the head to arrive merges the
+// splits (log-sum-exp rescaling) and resets the head's arrival counter for the next call or replay.
+//
+// The new token's query, key and value come from its qkv row, as qkv_rope would write them (the same
+// rope_pair, the same bf16 values): each block rotates its head's query, and the last split, whose
+// chunk ends at the new position *length, rotates the new key and takes the new value too. Its block
+// for the first query head of the kv head's group stores them into the caches for the later steps;
+// no block reads position *length from the cache, so none waits for that store or races with it.
 __global__ void __launch_bounds__(kDecodeThreads)
-    decode_attention_kernel(const bf16* q, const bf16* k_cache, const bf16* v_cache, AttentionShape s,
-                            const int32_t* length, float scale, float* split_results, uint32_t* arrivals, bf16* out) {
+    decode_attention_rope_kernel(const bf16* qkv, const float* bias, AttentionShape s, const int32_t* length,
+                                 float rope_theta, bf16* k_cache, bf16* v_cache, float scale, float* split_results,
+                                 uint32_t* arrivals, bf16* out) {
   __shared__ float scratch[32];
   __shared__ float group_sums[kDecodeThreads * 8];   // [rows_per_pass, Dh] P·V of each lane group
   __shared__ float split_weights[kDecodeMaxSplits];  // exp(split max - max over the splits)
+  __shared__ __align__(16) bf16 query[kDecodeMaxHeadDim];      // [Dh] rotated
+  __shared__ __align__(16) bf16 new_key[kDecodeMaxHeadDim];    // [Dh] rotated, at *length (last split only)
+  __shared__ __align__(16) bf16 new_value[kDecodeMaxHeadDim];  // [Dh] at *length (last split only)
   __shared__ bool is_last;
-  const int32_t dh = s.head_dim;
+  const int32_t dh = s.head_dim, half = dh / 2;
   const int32_t pieces = dh / 8;  // lanes per row: a power of two <= 32 (checked by the launcher)
   const int32_t rows_per_pass = kDecodeThreads / pieces;
   const int32_t head = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
   const int32_t b = head / s.n_heads, h = head % s.n_heads;
-  const int32_t kv_head = h / (s.n_heads / s.n_kv_heads);
+  const int32_t group = s.n_heads / s.n_kv_heads, kv_head = h / group;
   wait_for_previous_grid();
-  const int32_t visible = *length + 1;
+  const int32_t position = *length;  // the new token's
+  const int32_t visible = position + 1;
   const int32_t chunk = decode_split_positions(visible, splits, rows_per_pass);
   const int32_t active_splits = (visible + chunk - 1) / chunk;
   if (split >= active_splits) return;
   const int32_t begin = split * chunk, end = min(begin + chunk, visible);
   const int64_t cache_base = (int64_t{b} * s.n_kv_heads + kv_head) * s.cache_stride * dh;
+
+  const int64_t q_width = int64_t{s.n_heads} * dh, kv_width = int64_t{s.n_kv_heads} * dh;
+  const bf16* row = qkv + b * (q_width + 2 * kv_width);  // [H_q·Dh + 2·H_kv·Dh]
+  const bool has_new = end == visible;
+  const bool stores_new = has_new && h % group == 0;
+  bf16* key_store = k_cache + cache_base + int64_t{position} * dh;    // [Dh]
+  bf16* value_store = v_cache + cache_base + int64_t{position} * dh;  // [Dh]
+  // Query pairs, then (last split) key pairs and value elements.
+  const int32_t items = has_new ? 2 * dh : half;
+  for (int32_t item = threadIdx.x; item < items; item += blockDim.x) {
+    if (item < half) {
+      const RotatedPair rotated = rope_pair(row, bias, int64_t{h} * dh, item, dh, position, rope_theta);
+      query[item] = rotated.low;
+      query[item + half] = rotated.high;
+    } else if (item < dh) {
+      const int32_t i = item - half;
+      const RotatedPair rotated = rope_pair(row, bias, q_width + int64_t{kv_head} * dh, i, dh, position, rope_theta);
+      new_key[i] = rotated.low;
+      new_key[i + half] = rotated.high;
+      if (stores_new) {
+        key_store[i] = rotated.low;
+        key_store[i + half] = rotated.high;
+      }
+    } else {
+      const int32_t d = item - dh;
+      const bf16 value = to_bf16(qkv_element(row, bias, q_width + kv_width + int64_t{kv_head} * dh + d));
+      new_value[d] = value;
+      if (stores_new) value_store[d] = value;
+    }
+  }
+  __syncthreads();
+
   const auto* keys = reinterpret_cast<const uint4*>(k_cache + cache_base);    // [cap, pieces]
   const auto* values = reinterpret_cast<const uint4*>(v_cache + cache_base);  // [cap, pieces]
   const int32_t piece = threadIdx.x % pieces, row_in_pass = threadIdx.x / pieces;
-  const uint4 query = reinterpret_cast<const uint4*>(q + int64_t{head} * dh)[piece];
+  const uint4 query_piece = reinterpret_cast<const uint4*>(query)[piece];
 
   float running_max = -FLT_MAX, running_sum = 0, sums[8] = {};
   // The same trip count in every lane: the shuffles need the whole warp.
@@ -188,7 +254,10 @@ __global__ void __launch_bounds__(kDecodeThreads)
       const int32_t j = first + r * rows_per_pass + row_in_pass;
       valid[r] = j < end;
       key[r] = value[r] = make_uint4(0, 0, 0, 0);
-      if (valid[r]) {
+      if (valid[r] && j == position) {
+        key[r] = reinterpret_cast<const uint4*>(new_key)[piece];
+        value[r] = reinterpret_cast<const uint4*>(new_value)[piece];
+      } else if (valid[r]) {  // j < position
         key[r] = keys[int64_t{j} * pieces + piece];
         value[r] = values[int64_t{j} * pieces + piece];
       }
@@ -197,7 +266,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
     float round_max = running_max;
 #pragma unroll
     for (int r = 0; r < kDecodeRowsPerLoad; ++r) {
-      float dot = dot8(key[r], query);
+      float dot = dot8(key[r], query_piece);
       for (int32_t offset = pieces / 2; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
       score[r] = dot * scale;
       if (valid[r]) round_max = fmaxf(round_max, score[r]);
@@ -362,7 +431,7 @@ int32_t decode_attention_splits(const AttentionShape& shape) {
   static const int64_t resident_blocks = [] {
     int per_sm = 0;
     TWELL_CUDA_CHECK(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_attention_kernel, kDecodeThreads, 0));
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_attention_rope_kernel, kDecodeThreads, 0));
     return int64_t{per_sm} * device_facts().sm_count;
   }();
   const int64_t heads = int64_t{shape.batch} * shape.n_heads;
@@ -378,25 +447,32 @@ size_t decode_attention_workspace_bytes(const AttentionShape& shape) {
   return heads * splits * (shape.head_dim + 2) * sizeof(float) + heads * sizeof(uint32_t);
 }
 
-void decode_attention(const bf16* q, const bf16* k_cache, const bf16* v_cache, const AttentionShape& shape,
-                      const int32_t* length, float scale, bf16* out, void* workspace, size_t workspace_bytes,
-                      cudaStream_t stream) {
+void decode_attention_rope(const bf16* qkv, const float* bias, const AttentionShape& shape, const int32_t* length,
+                           float rope_theta, bf16* k_cache, bf16* v_cache, float scale, bf16* out, void* workspace,
+                           size_t workspace_bytes, cudaStream_t stream) {
   TWELL_REQUIRE(decode_attention_supports(shape.head_dim),
-                "decode_attention: head_dim must be 8·2^i up to 256, got {}", shape.head_dim);
-  TWELL_REQUIRE(shape.tokens == 1, "decode_attention: one token per sequence, got {}", shape.tokens);
+                "decode_attention_rope: head_dim must be 8·2^i up to 256, got {}", shape.head_dim);
+  TWELL_REQUIRE(shape.tokens == 1, "decode_attention_rope: one token per sequence, got {}", shape.tokens);
   TWELL_REQUIRE(shape.n_kv_heads > 0 && shape.n_heads % shape.n_kv_heads == 0,
-                "decode_attention: n_heads ({}) must be a multiple of n_kv_heads ({})", shape.n_heads,
+                "decode_attention_rope: n_heads ({}) must be a multiple of n_kv_heads ({})", shape.n_heads,
                 shape.n_kv_heads);
+  TWELL_REQUIRE(shape.batch > 0 && shape.n_heads > 0,
+                "decode_attention_rope: batch ({}) and n_heads ({}) must be positive", shape.batch, shape.n_heads);
+  TWELL_REQUIRE(shape.cache_stride > 0,
+                "decode_attention_rope: cache_stride must be positive (the new position is stored in the cache), got {}",
+                shape.cache_stride);
+  TWELL_REQUIRE(rope_theta > 0, "decode_attention_rope: rope_theta must be positive, got {}", rope_theta);
   const size_t needed = decode_attention_workspace_bytes(shape);
-  TWELL_REQUIRE(workspace_bytes >= needed, "decode_attention: workspace of {} bytes, {} needed", workspace_bytes,
+  TWELL_REQUIRE(workspace_bytes >= needed, "decode_attention_rope: workspace of {} bytes, {} needed", workspace_bytes,
                 needed);
   const int32_t splits = decode_attention_splits(shape);
   const auto heads = static_cast<unsigned>(shape.batch * shape.n_heads);
   auto* split_results = static_cast<float*>(workspace);  // [B·H_q, splits, Dh + 2]
   auto* arrivals =                                       // [B·H_q]
       reinterpret_cast<uint32_t*>(split_results + size_t{heads} * splits * (shape.head_dim + 2));
-  launch_programmatic(decode_attention_kernel, dim3(heads, static_cast<unsigned>(splits)), dim3(kDecodeThreads), 0,
-                      stream, q, k_cache, v_cache, shape, length, scale, split_results, arrivals, out);
+  launch_programmatic(decode_attention_rope_kernel, dim3(heads, static_cast<unsigned>(splits)), dim3(kDecodeThreads), 0,
+                      stream, qkv, bias, shape, length, rope_theta, k_cache, v_cache, scale, split_results, arrivals,
+                      out);
 }
 
 void add_residual(float* hidden, const bf16* y, int64_t count, cudaStream_t stream) {

@@ -31,7 +31,8 @@ struct AttentionShape {
 };
 
 // qkv [B, n, H_q·Dh + 2·H_kv·Dh] bf16 (+ bias [same], fp32, or null) -> RoPE (HF rotate_half, fp32
-// angles) -> q [B, H_q, n, Dh] bf16 and keys, values at positions *length + t of the caches.
+// angles) -> q [B, H_q, n, Dh] bf16 and keys, values at positions *length + t of the caches. A decode
+// step (n = 1) has it inside decode_attention_rope instead.
 void qkv_rope(const bf16* qkv, const float* bias, const AttentionShape& shape, const int32_t* length, float rope_theta,
               bf16* q, bf16* k_cache, bf16* v_cache, cudaStream_t stream);
 
@@ -43,14 +44,18 @@ void causal_softmax(const float* scores, int64_t rows_total, int32_t tokens, int
 // in [B, H, n, Dh] -> out [B·n, H·Dh] (bf16).
 void heads_to_tokens(const bf16* in, const AttentionShape& shape, bf16* out, cudaStream_t stream);
 
-// One decode step (n = 1): out [B, H_q·Dh] bf16 = softmax(scale·q·K^T)·V over positions 0 ..= *length
-// of each sequence's cache, q [B, H_q, Dh] bf16, any *length < cache_stride. Dh must pass
-// decode_attention_supports, H_q be a multiple of H_kv. `workspace` holds at least
-// decode_attention_workspace_bytes(shape) bytes, zeroed once when allocated: it holds the per-split
-// results and per-head arrival counters, which each call leaves zero again (a captured call replays as is).
-void decode_attention(const bf16* q, const bf16* k_cache, const bf16* v_cache, const AttentionShape& shape,
-                      const int32_t* length, float scale, bf16* out, void* workspace, size_t workspace_bytes,
-                      cudaStream_t stream);
+// One decode step's (n = 1) RoPE and attention in one kernel, in place of qkv_rope + attention:
+// from qkv [B, H_q·Dh + 2·H_kv·Dh] bf16 (+ bias [same], fp32, or null) it rotates the query and the
+// new key as qkv_rope does (the same bf16 values), stores the new key and value into the caches at
+// position *length, and writes out [B, H_q·Dh] bf16 = softmax(scale·q·K^T)·V over positions
+// 0 ..= *length of each sequence, any *length < cache_stride. The caches are read below *length
+// only. Dh must pass decode_attention_supports, H_q be a multiple of H_kv. `workspace` holds at
+// least decode_attention_workspace_bytes(shape) bytes, zeroed once when allocated: it holds the
+// per-split results and per-head arrival counters, which each call leaves zero again (a captured
+// call replays as is).
+void decode_attention_rope(const bf16* qkv, const float* bias, const AttentionShape& shape, const int32_t* length,
+                           float rope_theta, bf16* k_cache, bf16* v_cache, float scale, bf16* out, void* workspace,
+                           size_t workspace_bytes, cudaStream_t stream);
 // Dh = 8·2^i, up to 256 (rows are read in 16-byte pieces by a power-of-two group of lanes).
 bool decode_attention_supports(int32_t head_dim);
 // Blocks per (sequence, query head) over the positions (from the shape and this device's SM count).

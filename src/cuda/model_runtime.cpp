@@ -73,7 +73,7 @@ struct CudaModel::Impl {
   DeviceBuffer<float> hidden;     // [rows, D] residual stream
   DeviceBuffer<bf16> normed;      // [rows, D]
   DeviceBuffer<bf16> qkv;         // [rows, H_q·Dh + 2·H_kv·Dh]
-  DeviceBuffer<bf16> q;           // [B, H_q, n, Dh]
+  DeviceBuffer<bf16> q;           // [B, H_q, n, Dh], steps of n > 1 tokens
   DeviceBuffer<bf16> attention;   // [rows, H_q·Dh]
   DeviceBuffer<bf16> ffn_out;     // [rows, D]
   DeviceBuffer<float> logits;     // [out rows, V]
@@ -111,7 +111,7 @@ struct CudaModel::Impl {
     grow(hidden, rows * d);
     grow(normed, rows * d);
     grow(qkv, rows * qkv_width());
-    grow(q, rows * q_dim());
+    if (n > 1) grow(q, rows * q_dim());  // a decode step rotates q inside its attention kernel
     grow(attention, rows * q_dim());
     grow(ffn_out, rows * d);
     if (with_lm_head) grow(logits, (all_logits ? rows : batch) * int64_t{config.vocab_size});
@@ -146,6 +146,7 @@ struct CudaModel::Impl {
     const int64_t rows = int64_t{batch} * n, d = c.d_model;
     const mk::AttentionShape shape{batch, n, c.n_heads, c.n_kv_heads, c.head_dim, cache_stride};
     const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+    const float rope_theta = static_cast<float>(c.rope_theta);
     const float eps = static_cast<float>(c.rms_norm_eps);
     mk::embed(tokens.data(), rows, embedding.get(), c.d_model, hidden.data(), stream);
     // A batch-1 decode step's projections are GEMVs (the QKV one normalizes its input itself). On the
@@ -166,15 +167,18 @@ struct CudaModel::Impl {
         gemm.run(rows, qkv_width(), d, {normed.data(), d, false}, {layer.wqkv.get(), d, true}, qkv.data(),
                  qkv_width(), GemmOutput::bf16, 0.0f, stream);
       }
-      mk::qkv_rope(qkv.data(), layer.bqkv.get(), shape, length_device.data(), static_cast<float>(c.rope_theta), q.data(),
-                   k_layer, v_layer, stream);
-      if (n == 1)
-        mk::decode_attention(q.data(), k_layer, v_layer, shape, length_device.data(), scale, attention.data(),
-                             decode_attention_workspace.data(), decode_attention_workspace.size(), stream);
-      else if (fused_prefill_attention_supports(c.head_dim))
-        fused_prefill_attention(q.data(), k_layer, v_layer, shape, length, scale, attention.data(), stream);
-      else
-        gemm_attention.run(gemm, q.data(), k_layer, v_layer, shape, length, scale, attention.data(), stream);
+      if (n == 1) {
+        mk::decode_attention_rope(qkv.data(), layer.bqkv.get(), shape, length_device.data(), rope_theta, k_layer,
+                                  v_layer, scale, attention.data(), decode_attention_workspace.data(),
+                                  decode_attention_workspace.size(), stream);
+      } else {
+        mk::qkv_rope(qkv.data(), layer.bqkv.get(), shape, length_device.data(), rope_theta, q.data(), k_layer, v_layer,
+                     stream);
+        if (fused_prefill_attention_supports(c.head_dim))
+          fused_prefill_attention(q.data(), k_layer, v_layer, shape, length, scale, attention.data(), stream);
+        else
+          gemm_attention.run(gemm, q.data(), k_layer, v_layer, shape, length, scale, attention.data(), stream);
+      }
       // h [rows, D] += attention [rows, H_q·Dh] · Wo^T, accumulated in fp32; then the FFN's RMSNorm
       // (at one row the GEMV's last block does it: one launch fewer per layer).
       if (gemv) {

@@ -1,5 +1,5 @@
-// The float64 reference attention (include/twell/reference.h): the oracle of the CUDA prefill
-// attention, written as the definition reads, one query row at a time.
+// The float64 reference attention and RoPE (include/twell/reference.h): the oracles of the CUDA
+// attention kernels, written as the definitions read, one query row (one head) at a time.
 #include <algorithm>
 #include <cmath>
 
@@ -41,6 +41,18 @@ std::vector<double> causal_attention(const float* q, const float* keys, const fl
       }
     }
   return out;
+}
+
+void rope(double* x, int32_t head_dim, int32_t position, float rope_theta) {
+  TWELL_REQUIRE(head_dim >= 2 && head_dim % 2 == 0, "rope: head_dim must be even, got {}", head_dim);
+  const int32_t half = head_dim / 2;
+  for (int32_t i = 0; i < half; ++i) {
+    const float inv_freq = 1.0f / std::pow(rope_theta, static_cast<float>(2 * i) / static_cast<float>(head_dim));
+    const double angle = static_cast<float>(position) * inv_freq;
+    const double c = std::cos(angle), s = std::sin(angle), x0 = x[i], x1 = x[i + half];
+    x[i] = x0 * c - x1 * s;
+    x[i + half] = x1 * c + x0 * s;
+  }
 }
 
 }  // namespace twell::ref
