@@ -50,10 +50,14 @@ constexpr int kMinBlocksPerSm = 3;
 constexpr int kChunk = 8;          // bf16 per 16-byte piece of a row
 constexpr int kPiecesPerWord = 4;  // a sign word spans 32 columns: one piece per mma quad
 constexpr int kMaxSlots = 16;      // rows a warp holds at once in steps 3 and 4 (two mma n-tiles)
-// Shared memory a block aims at (the row slots take what steps 1-2 leave): three blocks per SM then
-// leave ~90 KB of L1 for x (64 KB at M = 16), which every block reads twice. Measured on the H200:
-// 32 KB (5 slots at D = 2048) made M = 16 3-4 us slower (more rounds of rows), 64 KB was within 0.4 us.
-constexpr int kSharedTarget = 48 * 1024;
+// Shared memory a block aims at (the row slots take what steps 1-2 leave), by token tiles. Two
+// (M > 8): three blocks per SM then leave ~90 KB of L1 for x (64 KB at M = 16), which every block
+// reads twice; on the H200, 32 KB (5 slots at D = 2048) made M = 16 3-4 us slower (more rounds of
+// rows), 64 KB was within 0.4 us. One: x is at most 32 KB, and more slots let more blocks fetch
+// their gated neurons' up and down rows in the same round trip as the gate rows (15 slots at D =
+// 2048, five neurons, against ten and three at 48 KB): the sign rule 13.3 -> 12.0 us at M = 1,
+// two-bit-norm 12.1 -> 11.5 us at M = 4, the rest unchanged (docs/perf-notes.md).
+constexpr int kSharedTarget[2] = {68 * 1024, 48 * 1024};
 
 // What a kind reads: the two-bit gate both planes, the others the sign plane; the normalized gates
 // also divide by ||x||.
@@ -670,7 +674,7 @@ SharedLayout shared_layout(int planes, int tokens, int32_t words, int32_t words_
   s.step_one_end = s.squares + kParts * tokens * 4;
   s.slot_stride = words_per_part * kPiecesPerWord * 16 + 16;  // + 16: the 8 slots an mma reads hit distinct banks
   const int dots_bytes = kParts * kMaxSlots * tokens * 4;
-  s.slots = std::clamp((kSharedTarget - dots_bytes) / (kParts * s.slot_stride), 2, kMaxSlots);
+  s.slots = std::clamp((kSharedTarget[tokens / kTokenTile - 1] - dots_bytes) / (kParts * s.slot_stride), 2, kMaxSlots);
   s.partial_dots = kParts * s.slots * s.slot_stride;
   s.step_three_end = s.partial_dots + dots_bytes;
   return s;
