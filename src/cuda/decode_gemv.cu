@@ -138,8 +138,11 @@ __device__ void rms_norm_tail(const GemvParams& p) {
   }
 }
 
+// At most two blocks an SM (the shared budget's plan) for the multi-row kernel: left to itself, ptxas
+// gave it 32 registers and a 16-byte spill once the RMSNorm tail came in. 0 keeps the one-row
+// kernel as it was measured (40 registers; the same SASS).
 template <int kMaxRows>
-__global__ void __launch_bounds__(kThreads) decode_gemv_kernel(GemvParams p) {
+__global__ void __launch_bounds__(kThreads, kMaxRows == 1 ? 0 : 2) decode_gemv_kernel(GemvParams p) {
   // [stages][kWarps rows][K] bf16, then x [rows][K] bf16
   extern __shared__ __align__(128) uint4 shared[];
   __shared__ uint64_t stage_full[kMaxStages];
