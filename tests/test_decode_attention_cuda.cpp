@@ -126,7 +126,8 @@ class DecodeBuffers {
     TWELL_CUDA_CHECK(cudaMemset(out_.get(), 0xff, q_elements_ * sizeof(bf16)));
 
     Expected expected = run_qkv_rope(length);
-    expected.reference = float64_reference(qkv, bias, std::move(keys), std::move(values), length);
+    expected.reference = ref::decode_attention_rope(qkv.data(), case_.bias ? bias.data() : nullptr, std::move(keys),
+                                                    std::move(values), ref_shape(length), case_.rope_theta, scale());
     return expected;
   }
 
@@ -167,32 +168,6 @@ class DecodeBuffers {
     expected.composed =
         ref::causal_attention(q.data(), expected.keys.data(), expected.values.data(), ref_shape(length), scale());
     return expected;
-  }
-
-  // The float64 RoPE of the biased qkv rows [B, H_q·Dh + 2·H_kv·Dh], their new keys and values put
-  // at `length` of the caches [B, H_kv, cache_stride, Dh], and the attention.
-  std::vector<double> float64_reference(const std::vector<float>& qkv, const std::vector<float>& bias,
-                                        std::vector<float> keys, std::vector<float> values, int32_t length) const {
-    const int32_t dh = case_.head_dim;
-    const int64_t q_width = int64_t{case_.n_heads} * dh, kv_width = int64_t{case_.n_kv_heads} * dh;
-    std::vector<float> q(q_elements_);  // [B, H_q, Dh]
-    for (int32_t b = 0; b < case_.batch; ++b) {
-      std::vector<double> row(width_);
-      for (int64_t k = 0; k < width_; ++k) row[k] = double{qkv[b * width_ + k]} + (bias.empty() ? 0.0 : bias[k]);
-      for (int32_t h = 0; h < case_.n_heads + case_.n_kv_heads; ++h)  // q heads, then k heads
-        ref::rope(row.data() + h * dh, dh, length, case_.rope_theta);
-      for (int32_t h = 0; h < case_.n_heads; ++h)
-        for (int32_t d = 0; d < dh; ++d)
-          q[(int64_t{b} * case_.n_heads + h) * dh + d] = static_cast<float>(row[h * dh + d]);
-      for (int32_t h = 0; h < case_.n_kv_heads; ++h) {
-        const int64_t at = ((int64_t{b} * case_.n_kv_heads + h) * case_.cache_stride + length) * dh;
-        for (int32_t d = 0; d < dh; ++d) {
-          keys[at + d] = static_cast<float>(row[q_width + h * dh + d]);
-          values[at + d] = static_cast<float>(row[q_width + kv_width + h * dh + d]);
-        }
-      }
-    }
-    return ref::causal_attention(q.data(), keys.data(), values.data(), ref_shape(length), scale());
   }
 
   double scale() const { return 1.0 / std::sqrt(static_cast<double>(case_.head_dim)); }

@@ -3,6 +3,7 @@
 // differ only in where the gate is rounded must agree bit for bit there.
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -290,6 +291,28 @@ TEST(Reference, RopeKnownCases) {
   EXPECT_NEAR(head[1], 2 * std::cos(pair1) - 0.5 * std::sin(pair1), 1e-7);
   EXPECT_NEAR(head[3], 0.5 * std::cos(pair1) + 2 * std::sin(pair1), 1e-7);
   EXPECT_THROW(ref::rope(head.data(), 3, 1, 100.0f), Error);
+}
+
+// At position 0 RoPE is the identity and the query sees only the new position, so each query head's
+// output is its kv head's new value row plus bias, whatever the cache holds (NaN here: never read).
+TEST(Reference, DecodeAttentionRopeAtPositionZeroIsTheNewValue) {
+  const ref::CachedAttentionShape shape{2, 1, 4, 2, 4, 3, 0};  // B 2, H_q 4 over H_kv 2, Dh 4, stride 3
+  const int64_t width = (4 + 2 * 2) * 4, cache = int64_t{2} * 2 * 3 * 4;
+  std::vector<float> qkv(2 * width), bias(width);
+  for (size_t i = 0; i < qkv.size(); ++i) qkv[i] = static_cast<float>(i % 7) - 3.0f;
+  for (size_t i = 0; i < bias.size(); ++i) bias[i] = 0.25f * static_cast<float>(i % 5);
+  const std::vector<float> nan_cache(cache, std::numeric_limits<float>::quiet_NaN());
+  const std::vector<double> out =
+      ref::decode_attention_rope(qkv.data(), bias.data(), nan_cache, nan_cache, shape, 1e4f, 0.5);
+  ASSERT_EQ(out.size(), size_t{2 * 4 * 4});
+  for (int b = 0; b < 2; ++b)
+    for (int h = 0; h < 4; ++h)
+      for (int d = 0; d < 4; ++d) {
+        const int64_t v = (4 + 2) * 4 + (h / 2) * 4 + d;  // the value row of kv head h / 2
+        EXPECT_DOUBLE_EQ(out[(b * 4 + h) * 4 + d], double{qkv[b * width + v]} + bias[v]) << b << " " << h << " " << d;
+      }
+  EXPECT_THROW(ref::decode_attention_rope(qkv.data(), nullptr, nan_cache, std::vector<float>(5), shape, 1e4f, 0.5),
+               Error);
 }
 
 }  // namespace

@@ -90,4 +90,13 @@ std::vector<double> causal_attention(const float* q, const float* keys, const fl
 // in float64.
 void rope(double* x, int32_t head_dim, int32_t position, float rope_theta);
 
+// One decode step (shape.tokens = 1, shape.start = the new position) from raw projections: each
+// sequence's qkv row [H_q·Dh + 2·H_kv·Dh] plus `bias` (same width, or null), its q and k heads
+// rotated by rope() at shape.start, the new keys and values put at shape.start of copies of the
+// caches [B, H_kv, stride, Dh], then causal_attention. The rotated q, k and v enter the attention as
+// fp32, as a cache would hold them.  qkv [B, width] -> [B, H_q·Dh]
+std::vector<double> decode_attention_rope(const float* qkv, const float* bias, std::vector<float> keys,
+                                          std::vector<float> values, const CachedAttentionShape& shape,
+                                          float rope_theta, double scale);
+
 }  // namespace twell::ref

@@ -55,30 +55,6 @@ std::vector<float> random_bf16(int64_t count, uint64_t seed) {
   return values;
 }
 
-// The float64 output [B, H_q·Dh]: RoPE of the query and new key of each qkv row [B, 3·H·Dh] at
-// `length`, their new key and value put into the caches [B, H, stride, Dh] there, and the attention.
-std::vector<double> reference_output(const std::vector<float>& qkv, std::vector<float> keys, std::vector<float> values,
-                                     const mk::AttentionShape& shape, int32_t length) {
-  const int32_t dh = shape.head_dim, heads = shape.n_heads;
-  const int64_t width = int64_t{3} * heads * dh;
-  std::vector<float> q(int64_t{shape.batch} * heads * dh);  // [B, H, Dh]
-  for (int32_t b = 0; b < shape.batch; ++b) {
-    std::vector<double> row(qkv.begin() + b * width, qkv.begin() + (b + 1) * width);
-    for (int32_t h = 0; h < 2 * heads; ++h) ref::rope(row.data() + h * dh, dh, length, kRopeTheta);  // q, then k
-    for (int32_t h = 0; h < heads; ++h) {
-      const int64_t at = ((int64_t{b} * heads + h) * shape.cache_stride + length) * dh;
-      for (int32_t d = 0; d < dh; ++d) {
-        q[(int64_t{b} * heads + h) * dh + d] = static_cast<float>(row[h * dh + d]);
-        keys[at + d] = static_cast<float>(row[(heads + h) * dh + d]);
-        values[at + d] = static_cast<float>(row[(2 * heads + h) * dh + d]);
-      }
-    }
-  }
-  return ref::causal_attention(q.data(), keys.data(), values.data(),
-                               {shape.batch, 1, heads, heads, dh, shape.cache_stride, length},
-                               1.0 / std::sqrt(static_cast<double>(dh)));
-}
-
 // Checks the shape against float64 and prints its timings; false when the check fails.
 bool run_shape(const DecodeShape& d, int reps, const cuda::L2Evictor& evictor) {
   const int32_t dh = 64, visible = d.length + 1;
@@ -127,7 +103,10 @@ bool run_shape(const DecodeShape& d, int reps, const cuda::L2Evictor& evictor) {
 
   // The query, new key and value are rounded to bf16 as the cache stores them, and the output:
   // within 1e-2 relatively (tests/test_decode_attention_cuda.cpp).
-  const std::vector<double> expected = reference_output(qkv_host, keys_host, values_host, shape, d.length);
+  const std::vector<double> expected =
+      ref::decode_attention_rope(qkv_host.data(), nullptr, keys_host, values_host,
+                                 {d.batch, 1, d.n_heads, d.n_heads, dh, stride, d.length}, kRopeTheta,
+                                 1.0 / std::sqrt(static_cast<double>(dh)));
   const std::vector<float> got = cuda::download_bf16(out.get(), q_elements);
   const double error = relative_l2_error(got.data(), expected.data(), expected.size());
   const bool ok = error < 1e-2;

@@ -55,4 +55,33 @@ void rope(double* x, int32_t head_dim, int32_t position, float rope_theta) {
   }
 }
 
+std::vector<double> decode_attention_rope(const float* qkv, const float* bias, std::vector<float> keys,
+                                          std::vector<float> values, const CachedAttentionShape& shape,
+                                          float rope_theta, double scale) {
+  TWELL_REQUIRE(shape.tokens == 1, "decode_attention_rope: one token per sequence, got {}", shape.tokens);
+  const int32_t dh = shape.head_dim;
+  const int64_t q_width = int64_t{shape.n_heads} * dh, kv_width = int64_t{shape.n_kv_heads} * dh;
+  const int64_t width = q_width + 2 * kv_width;
+  TWELL_REQUIRE(keys.size() == values.size() &&
+                    keys.size() == static_cast<size_t>(int64_t{shape.batch} * kv_width * shape.stride),
+                "decode_attention_rope: caches of {} and {} elements, {} expected", keys.size(), values.size(),
+                int64_t{shape.batch} * kv_width * shape.stride);
+  std::vector<float> q(static_cast<size_t>(shape.batch * q_width));  // [B, H_q, Dh]
+  std::vector<double> row(static_cast<size_t>(width));
+  for (int32_t b = 0; b < shape.batch; ++b) {
+    for (int64_t k = 0; k < width; ++k) row[k] = double{qkv[b * width + k]} + (bias ? bias[k] : 0.0);
+    for (int32_t h = 0; h < shape.n_heads + shape.n_kv_heads; ++h)  // q heads, then k heads
+      rope(row.data() + h * dh, dh, shape.start, rope_theta);
+    for (int64_t e = 0; e < q_width; ++e) q[b * q_width + e] = static_cast<float>(row[e]);
+    for (int32_t h = 0; h < shape.n_kv_heads; ++h) {
+      const int64_t at = ((int64_t{b} * shape.n_kv_heads + h) * shape.stride + shape.start) * dh;
+      for (int32_t d = 0; d < dh; ++d) {
+        keys[at + d] = static_cast<float>(row[q_width + h * dh + d]);
+        values[at + d] = static_cast<float>(row[q_width + kv_width + h * dh + d]);
+      }
+    }
+  }
+  return causal_attention(q.data(), keys.data(), values.data(), shape, scale);
+}
+
 }  // namespace twell::ref
