@@ -6,12 +6,17 @@
 // The kernels need D to be a multiple of 64 (TMA rows, whole k-tiles); the adapters pad x and the
 // weights with zero columns up to the next multiple, which changes no dot product, and drop the
 // padded columns of y.
+#include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include <gtest/gtest.h>
 
+#include "cuda/decode_gemv.h"
+#include "cuda/model_kernels.h"
 #include "cuda_test_support.h"
 #include "op_harness.h"
 #include "twell/bench_record.h"
@@ -27,6 +32,14 @@ namespace {
 using namespace twell;
 
 int32_t padded_model(int32_t d_model) { return (d_model + 63) / 64 * 64; }
+
+// `count` values to a new device array (an empty one when count is 0).
+template <typename T>
+cuda::DeviceArray<T> upload_values(const T* host, size_t count) {
+  cuda::DeviceArray<T> device = cuda::make_device_array<T>(count);
+  cuda::copy_to_device(device.get(), host, count * sizeof(T));
+  return device;
+}
 
 // [rows, d] -> [rows, d_padded] with zero columns on the right.
 std::vector<float> pad_columns(const float* values, int64_t rows, int32_t d, int32_t d_padded) {
@@ -117,6 +130,56 @@ const bool registered = test::register_backend({
           layer.run(device_x.get(), rows, predictor, device_y.get(), nullptr, options);
           cuda::copy_to_host(y, device_y.get(), count * sizeof(float));
           return layer.stats(nullptr);
+        },
+    .decode_projection =
+        [](const test::DecodeProjectionCall& c) {
+          const size_t x_count = static_cast<size_t>(c.rows) * c.k, y_count = static_cast<size_t>(c.rows) * c.n;
+          const cuda::DeviceArray<bf16> w = cuda::upload_bf16(c.w, static_cast<size_t>(c.n) * c.k);
+          const cuda::DeviceArray<bf16> x = cuda::upload_bf16(c.x, x_count);
+          const cuda::DeviceArray<float> hidden = upload_values(c.x, x_count);  // normalized by the kernel
+          const cuda::DeviceArray<float> input_norm = upload_values(c.input_norm, c.input_norm ? c.k : 0);
+          const cuda::DeviceArray<float> output_norm = upload_values(c.output_norm, c.output_norm ? c.n : 0);
+          const cuda::DeviceArray<float> y = upload_values(c.y, y_count);
+          const std::vector<float> poison(y_count, std::numeric_limits<float>::quiet_NaN());
+          const cuda::DeviceArray<bf16> normed = cuda::upload_bf16(poison.data(), y_count);
+          const unsigned int zero = 0;
+          const cuda::DeviceArray<unsigned int> arrivals = upload_values(&zero, 1);
+          const cuda::GemvInput input = c.input_norm ? cuda::GemvInput::rms_norm(hidden.get(), input_norm.get(), c.eps)
+                                                     : cuda::GemvInput::rows(x.get());
+          cuda::GemvRmsNormTail tail;
+          if (c.output_norm) tail = {output_norm.get(), c.eps, normed.get(), arrivals.get()};
+          cuda::decode_gemv(static_cast<int32_t>(c.rows), c.n, c.k, input, w.get(), y.get(), cuda::GemvOutput::f32_add,
+                            nullptr, tail);
+          cuda::copy_to_host(c.y, y.get(), y_count * sizeof(float));
+          if (c.output_norm) {
+            const std::vector<float> got = cuda::download_bf16(normed.get(), y_count);
+            std::copy(got.begin(), got.end(), c.normed);
+          }
+        },
+    .decode_attention =
+        [](const float* qkv, const float* bias, const float* keys, const float* values,
+           const ref::CachedAttentionShape& s, float rope_theta, float* out) {
+          namespace mk = cuda::model_kernels;
+          const mk::AttentionShape shape{s.batch, 1, s.n_heads, s.n_kv_heads, s.head_dim, s.stride};
+          const int64_t width = int64_t{s.n_heads + 2 * s.n_kv_heads} * s.head_dim;
+          const size_t cache = static_cast<size_t>(s.batch) * s.n_kv_heads * s.stride * s.head_dim;
+          const size_t out_count = static_cast<size_t>(s.batch) * s.n_heads * s.head_dim;
+          const cuda::DeviceArray<bf16> qkv_device = cuda::upload_bf16(qkv, static_cast<size_t>(s.batch * width));
+          const cuda::DeviceArray<float> bias_device = upload_values(bias, bias ? width : 0);
+          const cuda::DeviceArray<bf16> keys_device = cuda::upload_bf16(keys, cache);
+          const cuda::DeviceArray<bf16> values_device = cuda::upload_bf16(values, cache);
+          const cuda::DeviceArray<int32_t> length = upload_values(&s.start, 1);
+          const size_t workspace_bytes = mk::decode_attention_workspace_bytes(shape);
+          const std::vector<std::byte> zeros(workspace_bytes);  // the workspace starts zeroed
+          const cuda::DeviceArray<std::byte> workspace = upload_values(zeros.data(), workspace_bytes);
+          const std::vector<float> poison(out_count, std::numeric_limits<float>::quiet_NaN());
+          const cuda::DeviceArray<bf16> out_device = cuda::upload_bf16(poison.data(), out_count);
+          mk::decode_attention_rope(qkv_device.get(), bias ? bias_device.get() : nullptr, shape, length.get(),
+                                    rope_theta, keys_device.get(), values_device.get(),
+                                    1.0f / std::sqrt(static_cast<float>(s.head_dim)), out_device.get(),
+                                    workspace.get(), workspace_bytes, nullptr);
+          const std::vector<float> got = cuda::download_bf16(out_device.get(), out_count);
+          std::copy(got.begin(), got.end(), out);
         },
     .decode_d_multiple = 8,  // 16-byte weight rows
 });

@@ -139,25 +139,23 @@ testing::AssertionResult run_ffn_dense(const FfnBackend& backend, const OpCase& 
 class GateToTwell : public OpTest {};
 TEST_P(GateToTwell, MatchesReference) { EXPECT_TRUE(run_gate_to_twell(backend(), op_case())); }
 INSTANTIATE_TEST_SUITE_P(Ops, GateToTwell, testing::ValuesIn(backend_cases(&FfnBackend::gate_to_twell, twell_cases())),
-                         backend_case_name);
+                         backend_case_name<OpCase>);
 GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(GateToTwell);
 
 class FfnFromTwell : public OpTest {};
 TEST_P(FfnFromTwell, MatchesReference) { EXPECT_TRUE(run_ffn_from_twell(backend(), op_case())); }
 INSTANTIATE_TEST_SUITE_P(Ops, FfnFromTwell,
                          testing::ValuesIn(backend_cases(&FfnBackend::ffn_from_twell, twell_cases())),
-                         backend_case_name);
+                         backend_case_name<OpCase>);
 GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(FfnFromTwell);
 
 class FfnDense : public OpTest {};
 TEST_P(FfnDense, MatchesReference) { EXPECT_TRUE(run_ffn_dense(backend(), op_case())); }
 INSTANTIATE_TEST_SUITE_P(Ops, FfnDense, testing::ValuesIn(backend_cases(&FfnBackend::ffn_dense, dense_cases())),
-                         backend_case_name);
+                         backend_case_name<OpCase>);
 GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(FfnDense);
 
 // ---- The checks can fail: a backend built from the reference passes, broken variants do not ----
-
-void copy_to_float(const std::vector<double>& from, float* to) { std::copy(from.begin(), from.end(), to); }
 
 FfnBackend reference_backend() {
   FfnBackend backend;

@@ -174,19 +174,7 @@ std::vector<OpCase> hybrid_cases() {
   return cases;
 }
 
-std::string backend_case_name(const testing::TestParamInfo<BackendCase>& info) {
-  return info.param.backend + "__" + info.param.op_case.name();
-}
-
-void PrintTo(const BackendCase& pair, std::ostream* out) { *out << pair.backend << " " << pair.op_case.name(); }
-
-void OpTest::SetUp() {
-  const FfnBackend& b = backend();
-  if (b.skip_reason) {
-    const std::string reason = b.skip_reason();
-    if (!reason.empty()) GTEST_SKIP() << "backend " << b.name << " cannot run here: " << reason;
-  }
-}
+std::string cannot_run_reason(const FfnBackend& backend) { return backend.skip_reason ? backend.skip_reason() : ""; }
 
 void poison(std::vector<float>& buffer, size_t count) {
   buffer.assign(count, std::numeric_limits<float>::quiet_NaN());

@@ -28,6 +28,7 @@
 // in each backend file that implements it.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <ostream>
@@ -38,6 +39,7 @@
 
 #include "twell/decode.h"
 #include "twell/host_tensors.h"
+#include "twell/reference.h"
 #include "twell/workload.h"
 
 namespace twell::test {
@@ -73,6 +75,28 @@ using DecodeFfnOp = std::function<DecodeStats(const float* x, int64_t rows, cons
                                               const SignBits& signs, const PredictorConfig& predictor, float* y,
                                               const DecodeOptions& options)>;
 
+// The decode step's projection (src/cuda/decode_gemv.h), M <= 4 rows: y [M, N] += x'·W^T with W [N, K],
+// x' = x, or RMSNorm(x) with input_norm; then, with output_norm, normed = RMSNorm(y after the
+// addition). RMSNorm as ref::rms_norm. `normed` arrives poisoned. The cases: tests/op_model.cpp.
+struct DecodeProjectionCall {
+  const float* x;            // [M, K]
+  int64_t rows;
+  const float* w;            // [N, K]
+  int32_t n, k;
+  const float* input_norm;   // [K], or null
+  const float* output_norm;  // [N], or null
+  float eps;
+  float* y;                  // [M, N], added to
+  float* normed;             // [M, N], written when output_norm is given
+};
+using DecodeProjectionOp = std::function<void(const DecodeProjectionCall& call)>;
+// The decode step's RoPE and attention, as ref::decode_attention_rope: qkv [B, H_q·Dh + 2·H_kv·Dh],
+// bias [that width] or null, caches [B, H_kv, stride, Dh] (read below shape.start only) -> out
+// [B, H_q·Dh], which arrives poisoned. The cases: tests/op_model.cpp.
+using DecodeAttentionOp =
+    std::function<void(const float* qkv, const float* bias, const float* keys, const float* values,
+                       const ref::CachedAttentionShape& shape, float rope_theta, float* out)>;
+
 // What a backend rounds beyond fp32 accumulation. The harness replays a naive computation with the
 // same roundings; its error against float64 sets the tolerance (derived_tolerance below).
 struct BackendPrecision {
@@ -91,6 +115,8 @@ struct FfnBackend {
   HybridForwardOp hybrid_forward;
   HybridBackwardOp hybrid_backward;
   DecodeFfnOp decode_ffn;
+  DecodeProjectionOp decode_projection;
+  DecodeAttentionOp decode_attention;
   int32_t decode_d_multiple = 1;  // decode_ffn takes D a multiple of this only (its signs are not padded)
 };
 
@@ -126,29 +152,46 @@ std::vector<OpCase> twell_cases();   // gate_to_twell, ffn_from_twell (gated and
 std::vector<OpCase> dense_cases();   // ffn_dense
 std::vector<OpCase> hybrid_cases();  // twell_to_hybrid, hybrid forward and backward (gated, l1 > 0)
 
-struct BackendCase {
+// A backend and one case of an op; Case has name() (gtest-safe). Ops whose inputs are not an FFN
+// workload (the model's decode projection and attention) have their own Case types.
+template <typename Case>
+struct BackendCaseOf {
   std::string backend;
-  OpCase op_case;
+  Case op_case;
 };
+using BackendCase = BackendCaseOf<OpCase>;
 // Every (backend, case) pair whose backend implements `op`.
-template <typename Op>
-std::vector<BackendCase> backend_cases(Op FfnBackend::*op, const std::vector<OpCase>& cases) {
-  std::vector<BackendCase> pairs;
+template <typename Op, typename Case>
+std::vector<BackendCaseOf<Case>> backend_cases(Op FfnBackend::*op, const std::vector<Case>& cases) {
+  std::vector<BackendCaseOf<Case>> pairs;
   for (const FfnBackend& backend : registered_backends())
     if (backend.*op)
-      for (const OpCase& op_case : cases) pairs.push_back({backend.name, op_case});
+      for (const Case& op_case : cases) pairs.push_back({backend.name, op_case});
   return pairs;
 }
-std::string backend_case_name(const testing::TestParamInfo<BackendCase>& info);
-void PrintTo(const BackendCase& pair, std::ostream* out);  // how gtest shows GetParam()
+template <typename Case>
+std::string backend_case_name(const testing::TestParamInfo<BackendCaseOf<Case>>& info) {
+  return info.param.backend + "__" + info.param.op_case.name();
+}
+template <typename Case>
+void PrintTo(const BackendCaseOf<Case>& pair, std::ostream* out) {  // how gtest shows GetParam()
+  *out << pair.backend << " " << pair.op_case.name();
+}
+// The reason `backend` cannot run here, "" when it can.
+std::string cannot_run_reason(const FfnBackend& backend);
 
 // Fixture: skips (with the backend's reason) when the backend cannot run here.
-class OpTest : public testing::TestWithParam<BackendCase> {
+template <typename Case>
+class OpTestOf : public testing::TestWithParam<BackendCaseOf<Case>> {
  protected:
-  void SetUp() override;
-  const FfnBackend& backend() const { return find_backend(GetParam().backend); }
-  const OpCase& op_case() const { return GetParam().op_case; }
+  void SetUp() override {
+    if (const std::string reason = cannot_run_reason(backend()); !reason.empty())
+      GTEST_SKIP() << "backend " << backend().name << " cannot run here: " << reason;
+  }
+  const FfnBackend& backend() const { return find_backend(this->GetParam().backend); }
+  const Case& op_case() const { return this->GetParam().op_case; }
 };
+using OpTest = OpTestOf<OpCase>;
 
 // ---- Checks (shared by every op test; each returns a failure that says what differs) ----
 
@@ -162,6 +205,9 @@ inline double derived_tolerance(double naive_error, double floor) {
 void poison(std::vector<float>& buffer, size_t count);          // quiet NaN
 void poison(TwellMatrix& out, const TwellShape& shape, int64_t spill_rows);  // garbage arrays of these sizes
 void poison(HybridMatrix& out, const HybridShape& shape, int64_t backup_rows);
+
+// A float64 result into a backend's fp32 output (the reference backends of the self-tests).
+inline void copy_to_float(const std::vector<double>& from, float* to) { std::copy(from.begin(), from.end(), to); }
 
 // ||got - ref|| / ||ref|| <= tolerance, every element finite (an unwritten NaN fails).
 testing::AssertionResult near_relative_l2(const std::string& what, const float* got, const double* ref,

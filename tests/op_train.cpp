@@ -145,26 +145,24 @@ class TwellToHybrid : public OpTest {};
 TEST_P(TwellToHybrid, MatchesReference) { EXPECT_TRUE(run_twell_to_hybrid(backend(), op_case())); }
 INSTANTIATE_TEST_SUITE_P(Ops, TwellToHybrid,
                          testing::ValuesIn(backend_cases(&FfnBackend::twell_to_hybrid, hybrid_cases())),
-                         backend_case_name);
+                         backend_case_name<OpCase>);
 GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(TwellToHybrid);
 
 class HybridForward : public OpTest {};
 TEST_P(HybridForward, MatchesReference) { EXPECT_TRUE(run_hybrid_forward(backend(), op_case())); }
 INSTANTIATE_TEST_SUITE_P(Ops, HybridForward,
                          testing::ValuesIn(backend_cases(&FfnBackend::hybrid_forward, hybrid_cases())),
-                         backend_case_name);
+                         backend_case_name<OpCase>);
 GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(HybridForward);
 
 class HybridBackward : public OpTest {};
 TEST_P(HybridBackward, MatchesReference) { EXPECT_TRUE(run_hybrid_backward(backend(), op_case())); }
 INSTANTIATE_TEST_SUITE_P(Ops, HybridBackward,
                          testing::ValuesIn(backend_cases(&FfnBackend::hybrid_backward, hybrid_cases())),
-                         backend_case_name);
+                         backend_case_name<OpCase>);
 GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(HybridBackward);
 
 // ---- The checks can fail: a backend built from the reference passes, broken variants do not ----
-
-void copy_to_float(const std::vector<double>& from, float* to) { std::copy(from.begin(), from.end(), to); }
 
 FfnBackend reference_backend() {
   FfnBackend backend;

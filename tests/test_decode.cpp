@@ -230,7 +230,7 @@ TEST_P(DecodeTest, GatesWithExactColumnsMatchReference) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Backends, DecodeTest, testing::ValuesIn(decode_cases()), test::backend_case_name);
+INSTANTIATE_TEST_SUITE_P(Backends, DecodeTest, testing::ValuesIn(decode_cases()), test::backend_case_name<test::OpCase>);
 
 // ---- CPU predictor scores against the reference (every ISA) ----------------------------------------
 

@@ -85,6 +85,9 @@ struct CachedAttentionShape {
 std::vector<double> causal_attention(const float* q, const float* keys, const float* values,
                                      const CachedAttentionShape& shape, double scale);
 
+// RMSNorm: weight ⊙ x / sqrt(mean(x²) + eps) of each row.  x [M, D], weight [D] -> [M, D]
+std::vector<double> rms_norm(const float* x, int64_t rows, int32_t d, const float* weight, double eps);
+
 // HF's RoPE (rotate_half) of one head x [Dh] at `position`, in place: the inverse frequencies and
 // angles in fp32 as HF computes them (they define the model's positions), cos, sin and the rotation
 // in float64.

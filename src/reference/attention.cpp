@@ -43,6 +43,17 @@ std::vector<double> causal_attention(const float* q, const float* keys, const fl
   return out;
 }
 
+std::vector<double> rms_norm(const float* x, int64_t rows, int32_t d, const float* weight, double eps) {
+  std::vector<double> y(static_cast<size_t>(rows) * d);
+  for (int64_t r = 0; r < rows; ++r) {
+    double sum_squares = 0;
+    for (int32_t k = 0; k < d; ++k) sum_squares += double{x[r * d + k]} * x[r * d + k];
+    const double inv_rms = 1.0 / std::sqrt(sum_squares / d + eps);
+    for (int32_t k = 0; k < d; ++k) y[r * d + k] = weight[k] * (x[r * d + k] * inv_rms);
+  }
+  return y;
+}
+
 void rope(double* x, int32_t head_dim, int32_t position, float rope_theta) {
   TWELL_REQUIRE(head_dim >= 2 && head_dim % 2 == 0, "rope: head_dim must be even, got {}", head_dim);
   const int32_t half = head_dim / 2;
