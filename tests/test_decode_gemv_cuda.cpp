@@ -13,6 +13,7 @@
 #include "cuda/decode_gemv.h"
 #include "cuda_test_support.h"
 #include "twell/error.h"
+#include "twell/reference.h"
 #include "twell/workload.h"
 
 namespace twell {
@@ -43,14 +44,8 @@ TEST_P(DecodeGemvTest, MatchesFloat64) {
   if (c.normalize) {
     hidden = make_normal(int64_t{c.rows} * c.k, 3.0, seed + 1);
     norm_weight = make_normal(c.k, 1.0, seed + 2);
-    const float eps = 1e-5f;
-    for (int32_t m = 0; m < c.rows; ++m) {
-      double sum = 0;
-      for (int32_t k = 0; k < c.k; ++k) sum += double{hidden[m * c.k + k]} * hidden[m * c.k + k];
-      const double inv_rms = 1.0 / std::sqrt(sum / c.k + eps);
-      for (int32_t k = 0; k < c.k; ++k)
-        x.push_back(round_to_bf16(static_cast<float>(norm_weight[k] * (hidden[m * c.k + k] * inv_rms))));
-    }
+    for (double v : ref::rms_norm(hidden.data(), c.rows, c.k, norm_weight.data(), 1e-5f))
+      x.push_back(round_to_bf16(static_cast<float>(v)));
   } else {
     x = rounded_normal(int64_t{c.rows} * c.k, 1.0, seed + 1);
   }
@@ -147,13 +142,7 @@ TEST_P(DecodeGemvTailTest, NormalizesYAfterEveryBlockAdded) {
     std::vector<float> y_now(y_start.size());
     cuda::copy_to_host(y_now.data(), y.get(), y_now.size() * sizeof(float));
     const std::vector<float> got = cuda::download_bf16(normed.get(), y_now.size());
-    std::vector<double> expected(y_now.size());
-    for (int32_t m = 0; m < c.rows; ++m) {
-      double sum = 0;
-      for (int32_t n = 0; n < c.n; ++n) sum += double{y_now[m * c.n + n]} * y_now[m * c.n + n];
-      const double inv_rms = 1.0 / std::sqrt(sum / c.n + eps);
-      for (int32_t n = 0; n < c.n; ++n) expected[m * c.n + n] = norm_weight[n] * (y_now[m * c.n + n] * inv_rms);
-    }
+    const std::vector<double> expected = ref::rms_norm(y_now.data(), c.rows, c.n, norm_weight.data(), eps);
     for (size_t i = 0; i < got.size(); ++i) ASSERT_TRUE(std::isfinite(got[i])) << "call " << call << ", element " << i;
     // bf16 rounding of each element: <= 2^-9 relative.
     EXPECT_LT(relative_l2_error(got.data(), expected.data(), got.size()), 3e-3) << "call " << call;
