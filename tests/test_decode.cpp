@@ -9,6 +9,7 @@
 #include <functional>
 #include <limits>
 #include <random>
+#include <tuple>
 
 #include <gtest/gtest.h>
 
@@ -110,6 +111,54 @@ TEST_P(DecodeTest, NothingSkippedEqualsDenseFfn) {
     EXPECT_NEAR(static_cast<double>(stats.active), static_cast<double>(active), 1.0 + 1e-3 * active);
     EXPECT_EQ(stats.missed, 0);
   }
+}
+
+// GateSelection: all_neurons computes every gate whatever the predictor says (here one that keeps
+// nothing), so the output is the exact FFN; automatic takes that path exactly when the predictor's
+// calibrated predicted_fraction says its neurons would cover most of H, and the predictor's
+// otherwise (unknown fraction: the predictor, which here drops everything).
+TEST_P(DecodeTest, AllGatesEqualsDenseFfnWhateverThePredictor) {
+  const std::vector<double> expected = ref::ffn_dense(work_.x.data(), rows(), work_.weights);
+  const int64_t active = reference_active_count();
+  ASSERT_GT(active, 0) << "the case must have active neurons";
+  const int64_t pairs = rows() * work_.weights.d_hidden;
+  PredictorConfig keeps_nothing{PredictorKind::one_bit_gate, 1.0, -kHugeSetting};
+  for (auto [gates, fraction, all] : {std::tuple{GateSelection::all_neurons, 0.0, true},
+                                      std::tuple{GateSelection::automatic, 1.0, true},
+                                      std::tuple{GateSelection::automatic, 0.0, false},
+                                      std::tuple{GateSelection::predicted, 1.0, false}}) {
+    SCOPED_TRACE(testing::Message() << "gates " << static_cast<int>(gates) << ", predicted_fraction " << fraction);
+    keeps_nothing.predicted_fraction = fraction;
+    ASSERT_EQ(gates == GateSelection::all_neurons || (gates == GateSelection::automatic &&
+                                                      gates_all_neurons(keeps_nothing, rows())),
+              all);
+    std::vector<float> y;
+    const DecodeStats stats = decode(keeps_nothing, y, {.count_missed = true, .gates = gates});
+    if (all) {
+      EXPECT_TRUE(test::near_relative_l2("y", y.data(), expected.data(), expected.size(), kFp32Tolerance));
+      EXPECT_EQ(stats.predicted, pairs);
+      EXPECT_NEAR(static_cast<double>(stats.active), static_cast<double>(active), 1.0 + 1e-3 * active);
+      EXPECT_EQ(stats.missed, 0);
+    } else {
+      EXPECT_TRUE(std::all_of(y.begin(), y.begin() + output_count(), [](float v) { return v == 0.0f; }));
+      EXPECT_EQ(stats.predicted, 0);
+      EXPECT_NEAR(static_cast<double>(stats.missed), static_cast<double>(active), 1.0 + 1e-3 * active);
+    }
+  }
+}
+
+// The automatic rule: every gate once the predicted neurons of M independent tokens would cover
+// kAllGatesCoverage of H.
+TEST(DecodeGateSelection, AllGatesOnceThePredictedNeuronsCoverMostOfH) {
+  PredictorConfig predictor;
+  EXPECT_FALSE(gates_all_neurons(predictor, 16)) << "unknown fraction: the predictor";
+  predictor.predicted_fraction = 0.36;  // one-bit on the synthetic workload, no exact columns
+  EXPECT_FALSE(gates_all_neurons(predictor, 1));
+  EXPECT_TRUE(gates_all_neurons(predictor, 2));  // 1 - 0.64^2 = 0.59
+  predictor.predicted_fraction = 0.026;  // two-bit-norm on a real L1-trained model
+  EXPECT_FALSE(gates_all_neurons(predictor, 16));  // 0.34
+  predictor.predicted_fraction = 1.0;
+  EXPECT_TRUE(gates_all_neurons(predictor, 1));
 }
 
 // accumulate: y += the FFN, on top of what y held (a residual stream), for every kind.
@@ -594,6 +643,7 @@ TEST(DecodeCalibration, ReachesTargetRecall) {
       EXPECT_GT(calibration.quality.active, 0);
       EXPECT_GE(calibration.quality.recall(), target);
       EXPECT_EQ(calibration.config.kind, kind);
+      EXPECT_EQ(calibration.config.predicted_fraction, calibration.quality.predicted_fraction());
       // Same samples, measured again through the public function: the same quality.
       PredictorQuality again = measure_predictor(work.x.data(), spec.rows, work.weights, signs, calibration.config);
       EXPECT_EQ(again.kept, calibration.quality.kept);
@@ -604,7 +654,7 @@ TEST(DecodeCalibration, ReachesTargetRecall) {
       cpu::DecodeScratch scratch;
       for (int64_t m = 0; m < spec.rows; m += 16)
         missed += cpu::decode_ffn(work.x.data() + m * spec.d_model, 16, work.weights, signs, calibration.config,
-                                  y.data(), scratch, {.count_missed = true})
+                                  y.data(), scratch, {.count_missed = true, .gates = GateSelection::predicted})
                       .missed;
       EXPECT_EQ(missed, calibration.quality.active - calibration.quality.kept);
     }

@@ -92,6 +92,8 @@ TEST_F(PredictorStoreTest, RoundTripThroughModelLoad) {
       else
         EXPECT_EQ(model.predictor()[l].config.margin, calibration[l].config.margin);
       EXPECT_EQ(model.predictor()[l].exact_columns, calibration[l].exact_columns);
+      EXPECT_GT(calibration[l].config.predicted_fraction, 0.0);
+      EXPECT_EQ(model.predictor()[l].config.predicted_fraction, calibration[l].config.predicted_fraction);
     }
     // Choosing the predict path keeps the stored settings (it does not reset them to "exact").
     model.set_ffn_path(FfnPath::predict);
@@ -133,13 +135,17 @@ TEST_F(PredictorStoreTest, VersionOneFileLoadsWithoutExactColumns) {
   const std::vector<Calibration> calibration = calibrate_and_store(PredictorKind::one_bit_gate, std::vector<int32_t>{});
   nlohmann::json record = read_record();
   record["version"] = 1;
-  for (nlohmann::json& layer : record["layers"]) layer.erase("exact_columns");
+  for (nlohmann::json& layer : record["layers"]) {
+    layer.erase("exact_columns");
+    layer.erase("predicted_fraction");
+  }
   write_record(record);
   Model model = Model::load(dir_.string());
   ASSERT_EQ(model.predictor().size(), calibration.size());
   for (size_t l = 0; l < calibration.size(); ++l) {
     EXPECT_TRUE(model.predictor()[l].exact_columns.empty());
     EXPECT_EQ(model.predictor()[l].config.margin, calibration[l].config.margin);
+    EXPECT_EQ(model.predictor()[l].config.predicted_fraction, 0.0) << "not in a version-1 file: not known";
   }
 }
 
@@ -192,6 +198,7 @@ TEST_F(PredictorStoreTest, MalformedRecordsAreRefusedNamingTheKey) {
   expect_refused([](nlohmann::json& r) { r["layers"][0]["kind"] = "popcount"; }, "popcount");
   expect_refused([](nlohmann::json& r) { r["layers"][0].erase("margin"); }, "'margin'");
   expect_refused([](nlohmann::json& r) { r["layers"][0]["margin"] = nullptr; }, "'margin'");
+  expect_refused([](nlohmann::json& r) { r["layers"][1]["predicted_fraction"] = 1.5; }, "layers[1].predicted_fraction");
   std::ofstream(dir_ / kPredictorFileName) << "{ not json";
   EXPECT_NE(load_error().find("not a JSON object"), std::string::npos) << load_error();
 }

@@ -63,6 +63,9 @@ struct PredictorConfig {
   PredictorKind kind = PredictorKind::one_bit_gate;
   double alpha = 1.0;   // sign rule
   double margin = 0.0;  // one-bit and two-bit gates
+  // Share of (token, neuron) pairs the setting predicts active, as calibrated (calibrate_predictor);
+  // 0 when not known. GateSelection::automatic decides from it.
+  double predicted_fraction = 0.0;
 };
 
 // z = score / (residual · norm), the normalized one-bit and two-bit gates; a zero denominator (a row that is
@@ -86,6 +89,22 @@ struct DecodeStats {
   int64_t missed = -1;    // predicted zero but exact gate > 0; -1 unless DecodeOptions::count_missed
 };
 
+// Which neurons a decode call computes the exact gate of.
+enum class GateSelection {
+  automatic,    // all_neurons where gates_all_neurons(predictor, M), else predicted
+  predicted,    // the neurons the predictor keeps for some token of the call
+  all_neurons,  // every neuron for every token: no predictor runs and nothing is dropped; all of the
+                // projection is read, as a dense GEMV reads it, but up and down only for active neurons
+};
+
+// Whether M tokens are better served by every gate than by the predictor's: when the neurons it
+// keeps for some token would cover at least kAllGatesCoverage of H (tokens taken as independent,
+// 1 − (1 − predicted_fraction)^M), the gate rows read are nearly all of them anyway, and the
+// predictor's scoring (its cost grows with M) buys almost nothing. Unknown predicted_fraction (0):
+// the predictor.
+inline constexpr double kAllGatesCoverage = 0.5;
+bool gates_all_neurons(const PredictorConfig& predictor, int64_t rows);
+
 struct DecodeOptions {
   // Also compute the exact gate of every neuron predicted zero, to count `missed` (diagnostics and
   // calibration only: it reads all of W and throws the speed away; the output is unchanged).
@@ -93,6 +112,7 @@ struct DecodeOptions {
   // y += the FFN's output instead of y = it: the model adds the FFN straight into its residual
   // stream (no zeroing, no separate residual add).
   bool accumulate = false;
+  GateSelection gates = GateSelection::automatic;
 };
 
 // Quality of a predictor on sample inputs, against the exact float64 projection.

@@ -107,6 +107,11 @@ PredictorQuality measure_predictor(const float* x, int64_t rows, const FfnWeight
   return quality_of(score_samples(x, rows, weights, signs, config.kind), config, weights.d_model);
 }
 
+bool gates_all_neurons(const PredictorConfig& predictor, int64_t rows) {
+  const double kept = std::clamp(predictor.predicted_fraction, 0.0, 1.0);
+  return kept > 0.0 && 1.0 - std::pow(1.0 - kept, static_cast<double>(rows)) >= kAllGatesCoverage;
+}
+
 Calibration calibrate_predictor(const float* x, int64_t rows, const FfnWeights& weights, const SignBits& signs,
                                 PredictorKind kind, double target_recall) {
   TWELL_REQUIRE(target_recall > 0.0 && target_recall <= 1.0, "target_recall must lie in (0, 1], got {}",
@@ -136,6 +141,7 @@ Calibration calibrate_predictor(const float* x, int64_t rows, const FfnWeights& 
     result.config.alpha = alpha;
   }
   result.quality = quality_of(samples, result.config, weights.d_model);
+  result.config.predicted_fraction = result.quality.predicted_fraction();
   result.exact_columns = signs.exact_columns;
   return result;
 }

@@ -267,6 +267,8 @@ DecodeStats decode_ffn(const float* x, int64_t rows, const FfnWeights& weights, 
   const bool sign_rule = predictor.kind == PredictorKind::sign_rule;
   const int32_t max_negatives = sign_rule ? sign_rule_max_negatives(predictor.alpha, cols) : 0;
   const float min_score = static_cast<float>(-predictor.margin);
+  const bool all_gates = options.gates == GateSelection::all_neurons ||
+                         (options.gates == GateSelection::automatic && gates_all_neurons(predictor, rows));
   prepare_rows(x, rows, signs, sign_rule, scratch);
 
   const KernelTable& kernels = active_kernels();
@@ -324,7 +326,10 @@ DecodeStats decode_ffn(const float* x, int64_t rows, const FfnWeights& weights, 
 #pragma omp for schedule(static) nowait
     for (int32_t j = 0; j < hidden; ++j) {
       bool predicted_rows[kDecodeMaxRows];
-      scorer.predict(predictor.kind, j, max_negatives, min_score, predicted_rows);
+      if (all_gates)
+        std::fill_n(predicted_rows, rows, true);
+      else
+        scorer.predict(predictor.kind, j, max_negatives, min_score, predicted_rows);
       for (int32_t m = 0; m < rows; ++m) {
         if (predicted_rows[m]) {
           gate_batch[gate_count++] = {m, j, 0.0f};

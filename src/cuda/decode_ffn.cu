@@ -58,6 +58,10 @@ constexpr int kMaxSlots = 16;      // rows a warp holds at once in steps 3 and 4
 // 2048, five neurons, against ten and three at 48 KB): the sign rule 13.3 -> 12.0 us at M = 1,
 // two-bit-norm 12.1 -> 11.5 us at M = 4, the rest unchanged (docs/perf-notes.md).
 constexpr int kSharedTarget[2] = {68 * 1024, 48 * 1024};
+// The same when every gate is computed (GateSelection::all_neurons; no planes): as many slots as three
+// blocks an SM leave room for, so that one round trip brings all 16 gate rows at one token tile (15
+// at two, whose partial dots take twice the space).
+constexpr int kAllGatesSharedTarget = 72 * 1024;
 
 // What a kind reads: the two-bit gate both planes, the others the sign plane; the normalized gates
 // also divide by ||x||.
@@ -407,7 +411,9 @@ __device__ __forceinline__ int nth_bit(uint32_t mask, int rank) {
   return __ffs(mask) - 1;
 }
 
-template <PredictorKind kKind, int kTokenTiles>
+// kAllGates (GateSelection::all_neurons): no planes, no scoring, every pair predicted; kKind is then
+// immaterial (one_bit_gate is the one instantiated).
+template <PredictorKind kKind, int kTokenTiles, bool kAllGates>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) decode_ffn_kernel(DecodeParams p) {
   constexpr int kPlanes = planes_of(kKind);
   constexpr bool kNormalized = is_normalized(kKind);
@@ -445,6 +451,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) decode_ffn_kernel(D
   const int plane_chunks = p.words * 4;  // 16-byte chunks per plane
 #pragma unroll
   for (int plane = 0; plane < kPlanes; ++plane) {
+    if (kAllGates) break;
     const uint32_t* source =
         (plane == 0 ? p.sign_tiles : p.large_tiles) + static_cast<int64_t>(blockIdx.x) * p.words * 16;
     for (int chunk = threadIdx.x; chunk < plane_chunks; chunk += kThreads)
@@ -479,7 +486,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) decode_ffn_kernel(D
   // the previous kernel; x and y belong to the stream's order from here on.
   wait_for_previous_grid();
   uint4 x[word_batch(kKind, kTokenTiles)][kTokenTiles];
-  load_x_words(p, first_word, end_word, lane >> 2, lane & 3, x);
+  if (!kAllGates) load_x_words(p, first_word, end_word, lane >> 2, lane & 3, x);
   if (kGate && threadIdx.x < p.rows * p.exact_count) {
     const int m = threadIdx.x / p.exact_count, c = threadIdx.x % p.exact_count;
     const unsigned short bits =
@@ -495,7 +502,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) decode_ffn_kernel(D
     float4* y = reinterpret_cast<float4*>(p.y);
     for (int i = threadIdx.x; i < p.rows * p.cols / 4; i += kThreads) y[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   }
-  score_part<kKind, kTokenTiles>(p, planes, first_word, end_word, warp, lane, x, partial_scores, squares);
+  if (!kAllGates) score_part<kKind, kTokenTiles>(p, planes, first_word, end_word, warp, lane, x, partial_scores, squares);
   __syncthreads();
   if (zeroes_y && threadIdx.x == kThreads - 1) {
     __threadfence();
@@ -505,7 +512,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) decode_ffn_kernel(D
   // Step 2: each thread decides its (token, neuron).
   const int own_neuron = threadIdx.x % kTileNeurons, own_token = threadIdx.x / kTileNeurons;
   bool pair_predicted = false;
-  if (own_token < p.rows && first_neuron + own_neuron < p.hidden) {
+  if (own_token < p.rows && first_neuron + own_neuron < p.hidden && kAllGates) {
+    pair_predicted = true;
+  } else if (own_token < p.rows && first_neuron + own_neuron < p.hidden) {
     float sums[kPlanes];
 #pragma unroll
     for (int plane = 0; plane < kPlanes; ++plane) {
@@ -536,8 +545,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) decode_ffn_kernel(D
       }
       pair_predicted = score >= p.min_score;
     }
-    if (pair_predicted) atomicOr(&predicted[own_neuron], 1u << own_token);
   }
+  if (pair_predicted) atomicOr(&predicted[own_neuron], 1u << own_token);
   const int predicted_pairs = __syncthreads_count(pair_predicted);
 
   // Steps 3 and 4. One thread per (slot, token) where the warps' partial dot products meet.
@@ -548,10 +557,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) decode_ffn_kernel(D
   const bool gated_ffn = p.up != nullptr;
   // For a gated FFN with few gated neurons, their up and down rows come with the gate rows: one round
   // trip instead of two for the blocks with active neurons, at the price of rows of neurons whose gate
-  // turns out <= 0.
+  // turns out <= 0. That price depends on the predictor's precision: about 15% of the two-bit gate's
+  // neurons are active on the standard workload, 3% of the one-bit gates' and under 1% of the sign
+  // rule's, so those speculate only for a single gated neuron (H200: one-bit 12.3 -> 11.3 us at M = 4,
+  // 9.3 -> 9.1 at M = 1; the two-bit gate limited the same way lost 1.0-1.3 us).
+  constexpr int kMaxSpeculated = kPlanes == 2 ? kTileNeurons : 1;
   const int gated_count = __popc(gated);
   unsigned long long zeroed = 0;
-  if (gated != 0u && gated_ffn && !p.count_missed && 3 * gated_count <= p.shared.slots) {
+  if (gated != 0u && gated_ffn && !p.count_missed && 3 * gated_count <= p.shared.slots &&
+      gated_count <= kMaxSpeculated) {
     if (threadIdx.x == 0) zeroed = zeroed_count(p);  // read early, spun on below
     stage_rows(p, p.projection, gated, 0, slots, first_neuron, first_word, lane);
     stage_rows(p, p.up, gated, gated_count, slots, first_neuron, first_word, lane);
@@ -646,38 +660,44 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) decode_ffn_kernel(D
 // waits for it (griddepcontrol.wait) only before it touches x and y. Measured on the H200 (bench
 // decode, graph of 20 calls): 1.0 us off M = 1 (10.6 -> 9.5 us, two-bit-norm), 0.7-1.2 us off M = 4
 // and 16; without the early trigger in the kernel, 0.2-0.3 us.
-template <PredictorKind kKind>
+template <PredictorKind kKind, bool kAllGates = false>
 void launch(const DecodeParams& p, int tiles, cudaStream_t stream) {
   const auto shared = static_cast<size_t>(p.shared.bytes());
   if (p.rows > kTokenTile)
-    launch_programmatic(decode_ffn_kernel<kKind, 2>, dim3(tiles), dim3(kThreads), shared, stream, p);
+    launch_programmatic(decode_ffn_kernel<kKind, 2, kAllGates>, dim3(tiles), dim3(kThreads), shared, stream, p);
   else
-    launch_programmatic(decode_ffn_kernel<kKind, 1>, dim3(tiles), dim3(kThreads), shared, stream, p);
+    launch_programmatic(decode_ffn_kernel<kKind, 1, kAllGates>, dim3(tiles), dim3(kThreads), shared, stream, p);
 }
 
 // Lets both kernels of a kind take `shared` bytes of dynamic shared memory (beyond the default 48 KiB
 // when needed).
-template <PredictorKind kKind>
+template <PredictorKind kKind, bool kAllGates = false>
 void allow_shared(size_t shared) {
-  TWELL_CUDA_CHECK(cudaFuncSetAttribute(decode_ffn_kernel<kKind, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(shared)));
-  TWELL_CUDA_CHECK(cudaFuncSetAttribute(decode_ffn_kernel<kKind, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(shared)));
+  TWELL_CUDA_CHECK(cudaFuncSetAttribute(decode_ffn_kernel<kKind, 1, kAllGates>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
+  TWELL_CUDA_CHECK(cudaFuncSetAttribute(decode_ffn_kernel<kKind, 2, kAllGates>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
 }
 
 // The layout for `planes` planes and `tokens` tokens per token tile set, D split in words_per_part
-// words per warp.
-SharedLayout shared_layout(int planes, int tokens, int32_t words, int32_t words_per_part) {
+// words per warp, the row slots filling up to `target` bytes.
+SharedLayout shared_layout(int planes, int tokens, int32_t words, int32_t words_per_part, int target) {
   SharedLayout s{};
   s.partial_scores = planes * words * 64;
   s.squares = s.partial_scores + kParts * planes * kTileNeurons * tokens * 4;
   s.step_one_end = s.squares + kParts * tokens * 4;
   s.slot_stride = words_per_part * kPiecesPerWord * 16 + 16;  // + 16: the 8 slots an mma reads hit distinct banks
   const int dots_bytes = kParts * kMaxSlots * tokens * 4;
-  s.slots = std::clamp((kSharedTarget[tokens / kTokenTile - 1] - dots_bytes) / (kParts * s.slot_stride), 2, kMaxSlots);
+  s.slots = std::clamp((target - dots_bytes) / (kParts * s.slot_stride), 2, kMaxSlots);
   s.partial_dots = kParts * s.slots * s.slot_stride;
   s.step_three_end = s.partial_dots + dots_bytes;
   return s;
+}
+
+// A call's layout: the predictor's planes and slots, or (all gates) slots only.
+SharedLayout layout_of(bool all_gates, int planes, int tokens, int32_t words, int32_t words_per_part) {
+  return all_gates ? shared_layout(0, tokens, words, words_per_part, kAllGatesSharedTarget)
+                   : shared_layout(planes, tokens, words, words_per_part, kSharedTarget[tokens / kTokenTile - 1]);
 }
 
 // The exact weights minus the term the planes already count at that column: W[j, c] − scale_j·sign,
@@ -733,9 +753,10 @@ DecodeLayer::DecodeLayer(const DeviceFfnWeights& weights, const SignBits& signs)
   s.words_per_part = (s.words + kParts - 1) / kParts;
   s.tiles = (hidden + kTileNeurons - 1) / kTileNeurons;
   // The most any launch takes: two planes, and one or two token tiles (the slots fill what step 1 leaves).
-  const size_t shared =
-      static_cast<size_t>(std::max(shared_layout(2, kTokenTile, s.words, s.words_per_part).bytes(),
-                                   shared_layout(2, 2 * kTokenTile, s.words, s.words_per_part).bytes()));
+  size_t shared = 0;
+  for (int tokens : {kTokenTile, 2 * kTokenTile})
+    for (bool all_gates : {false, true})
+      shared = std::max(shared, static_cast<size_t>(layout_of(all_gates, 2, tokens, s.words, s.words_per_part).bytes()));
   TWELL_REQUIRE(shared <= static_cast<size_t>(device_facts().max_smem_per_block_optin) - 8 * 1024,
                 "decode on CUDA: D = {} needs {} bytes of shared memory for the sign planes and two rows of 16 "
                 "neurons, more than this GPU gives a block",
@@ -764,6 +785,7 @@ DecodeLayer::DecodeLayer(const DeviceFfnWeights& weights, const SignBits& signs)
   allow_shared<PredictorKind::one_bit_gate>(shared);
   allow_shared<PredictorKind::normalized_one_bit_gate>(shared);
   allow_shared<PredictorKind::two_bit_gate>(shared);
+  allow_shared<PredictorKind::one_bit_gate, true>(shared);
   TWELL_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
@@ -798,8 +820,10 @@ void DecodeLayer::run(const bf16* x, int64_t rows, const PredictorConfig& predic
   p.hidden = w.d_hidden;
   p.words = s.words;
   p.words_per_part = s.words_per_part;
-  p.shared = shared_layout(planes_of(predictor.kind), rows > kTokenTile ? 2 * kTokenTile : kTokenTile, s.words,
-                           s.words_per_part);
+  const bool all_gates = options.gates == GateSelection::all_neurons ||
+                         (options.gates == GateSelection::automatic && gates_all_neurons(predictor, rows));
+  p.shared = layout_of(all_gates, planes_of(predictor.kind), rows > kTokenTile ? 2 * kTokenTile : kTokenTile,
+                       s.words, s.words_per_part);
   p.max_negatives =
       predictor.kind == PredictorKind::sign_rule ? sign_rule_max_negatives(predictor.alpha, w.d_model) : 0;
   p.min_score = static_cast<float>(-predictor.margin);
@@ -807,6 +831,10 @@ void DecodeLayer::run(const bf16* x, int64_t rows, const PredictorConfig& predic
   p.accumulate = options.accumulate;
   impl_->all_counted_missed = impl_->all_counted_missed && options.count_missed;
 
+  if (all_gates) {
+    launch<PredictorKind::one_bit_gate, true>(p, s.tiles, stream);
+    return;
+  }
   switch (predictor.kind) {
     case PredictorKind::sign_rule: launch<PredictorKind::sign_rule>(p, s.tiles, stream); break;
     case PredictorKind::one_bit_gate: launch<PredictorKind::one_bit_gate>(p, s.tiles, stream); break;

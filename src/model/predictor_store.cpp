@@ -53,6 +53,7 @@ void save_predictor_record(const std::string& dir, const ModelConfig& config, co
                             {"fingerprint", hex(relu_projection_fingerprint(weights.layers[l].ffn))},
                             {"exact_columns", c.exact_columns},
                             {"recall", c.quality.recall()},
+                            {"predicted_fraction", c.config.predicted_fraction},
                             {"predicted_over_active", c.quality.predicted_over_active()}};
     if (c.config.kind == PredictorKind::sign_rule)
       layer["alpha"] = c.config.alpha;
@@ -138,6 +139,12 @@ std::optional<std::vector<LayerPredictor>> load_predictor_record(const std::stri
     TWELL_REQUIRE(layer.contains(key) && layer[key].is_number() && std::isfinite(layer[key].get<double>()),
                   "{}: layers[{}] ({}) needs a finite number '{}'", name, l, to_string(predictor.kind), key);
     (predictor.kind == PredictorKind::sign_rule ? predictor.alpha : predictor.margin) = layer[key].get<double>();
+    if (layer.contains("predicted_fraction")) {  // absent in files of older twells: not known
+      const nlohmann::json& fraction = layer["predicted_fraction"];
+      TWELL_REQUIRE(fraction.is_number() && fraction.get<double>() >= 0.0 && fraction.get<double>() <= 1.0,
+                    "{}: layers[{}].predicted_fraction must be a number in [0, 1]", name, l);
+      predictor.predicted_fraction = fraction.get<double>();
+    }
     if (layer.contains("exact_columns")) {  // absent in version 1: none
       const nlohmann::json& columns = layer["exact_columns"];
       TWELL_REQUIRE(columns.is_array() && std::all_of(columns.begin(), columns.end(),

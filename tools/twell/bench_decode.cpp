@@ -52,6 +52,10 @@ struct DecodeBenchOptions {
   // by call. One replays a single layer, whose predictor data stays in the L2 between calls; copies
   // larger than the L2 together make every call find its weights in DRAM, as a model's layers do.
   int weight_copies = 1;
+  // The predictor impls' GateSelection (automatic: all gates where gates_all_neurons says so); the
+  // all-gates impl is timed beside them either way.
+  std::string gates = "automatic";
+  GateSelection gate_selection() const { return gates == "predicted" ? GateSelection::predicted : GateSelection::automatic; }
 };
 
 constexpr int kGraphCalls = 20;
@@ -164,19 +168,26 @@ std::vector<Impl> cpu_impls(CpuState& s, const std::vector<PredictorConfig>& pre
                      cpu::ffn_from_twell((*s.inputs)[i].data(), s.packed, s.work->weights, s.y.data());
                    },
                    output});
+  const GateSelection gates = options.gate_selection();
   for (const PredictorConfig& predictor : predictors) {
     Impl impl{"predict-" + to_string(predictor.kind),
-              [&s, rows, &predictor](int i) {
+              [&s, rows, &predictor, gates](int i) {
                 cpu::decode_ffn((*s.inputs)[i].data(), rows, s.work->weights, *s.signs, predictor, s.y.data(),
-                                s.decode_scratch);
+                                s.decode_scratch, {.gates = gates});
               },
               output, &predictor};
-    impl.run_counting_misses = [&s, rows, &predictor](int i) {
+    impl.run_counting_misses = [&s, rows, &predictor, gates](int i) {
       return cpu::decode_ffn((*s.inputs)[i].data(), rows, s.work->weights, *s.signs, predictor, s.y.data(),
-                             s.decode_scratch, {.count_missed = true});
+                             s.decode_scratch, {.count_missed = true, .gates = gates});
     };
     impls.push_back(std::move(impl));
   }
+  impls.push_back({"all-gates",
+                   [&s, rows, &predictors](int i) {
+                     cpu::decode_ffn((*s.inputs)[i].data(), rows, s.work->weights, *s.signs, predictors.front(),
+                                     s.y.data(), s.decode_scratch, {.gates = GateSelection::all_neurons});
+                   },
+                   output});
   return impls;
 }
 
@@ -285,17 +296,28 @@ std::vector<Impl> cuda_impls(CudaState& s, const std::vector<std::vector<float>>
                      s.twell->run(s.inputs[i].get(), rows, s.weights[s.take_copy()], s.y_bf16.get());
                    },
                    output});
+  const GateSelection gates = options.gate_selection();
   for (const PredictorConfig& predictor : predictors) {
-    auto run = [&s, rows, &predictor](int i, cudaStream_t stream) {
-      s.layers[s.take_copy()]->run(s.inputs[i].get(), rows, predictor, s.y_float.get(), stream);
+    auto run = [&s, rows, &predictor, gates](int i, cudaStream_t stream) {
+      s.layers[s.take_copy()]->run(s.inputs[i].get(), rows, predictor, s.y_float.get(), stream, {.gates = gates});
     };
     Impl impl{"predict-" + to_string(predictor.kind), [&s, run](int i) { s.last_float = true; run(i, nullptr); }, output,
               &predictor};
-    impl.run_counting_misses = [&s, rows, &predictor](int i) {
+    impl.run_counting_misses = [&s, rows, &predictor, gates](int i) {
       for (const auto& layer : s.layers) layer->stats(nullptr);  // drop the counts of the timed runs
-      s.layers[0]->run(s.inputs[i].get(), rows, predictor, s.y_float.get(), nullptr, {.count_missed = true});
+      s.layers[0]->run(s.inputs[i].get(), rows, predictor, s.y_float.get(), nullptr,
+                       {.count_missed = true, .gates = gates});
       return s.layers[0]->stats(nullptr);
     };
+    impl.graph_ms_per_call = graph_timer(run, sets, reps);
+    impls.push_back(std::move(impl));
+  }
+  {
+    auto run = [&s, rows, &predictors](int i, cudaStream_t stream) {
+      s.layers[s.take_copy()]->run(s.inputs[i].get(), rows, predictors.front(), s.y_float.get(), stream,
+                                   {.gates = GateSelection::all_neurons});
+    };
+    Impl impl{"all-gates", [&s, run](int i) { s.last_float = true; run(i, nullptr); }, output};
     impl.graph_ms_per_call = graph_timer(run, sets, reps);
     impls.push_back(std::move(impl));
   }
@@ -466,6 +488,10 @@ void run_decode_bench(const DecodeBenchOptions& options) {
                                   static_cast<double>(total.active) / options.input_sets * (matrices - 1) *
                                       options.d_model * element_bytes;
         record.extra["predictor"] = to_string(impl.predictor->kind);
+        record.extra["gates"] = options.gate_selection() == GateSelection::automatic &&
+                                        gates_all_neurons(*impl.predictor, rows)
+                                    ? "all"
+                                    : "predicted";
         record.extra["alpha"] = impl.predictor->alpha;
         record.extra["margin"] = impl.predictor->margin;
         record.extra["exact_columns"] = signs.exact_columns;
@@ -524,6 +550,11 @@ void add_bench_decode(CLI::App& bench) {
                       "finds its weights in DRAM, as a model's layers do)")
       ->capture_default_str()
       ->check(CLI::Range(1, 64));
+  command->add_option("--gates", options->gates,
+                      "the predictor impls' gates: automatic (every gate where the predicted neurons of the M tokens "
+                      "would cover most of H) or predicted (always the predictor's)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"automatic", "predicted"}));
   command->callback([options] { run_decode_bench(*options); });
 }
 

@@ -45,14 +45,15 @@ struct ReportOptions {
 // predicted active (the exact result of the same fp32 kernels), over all rows of x [rows, D].
 double decode_ffn_error(const float* x, int64_t rows, const FfnWeights& weights, const SignBits& signs,
                         const PredictorConfig& predictor) {
-  const PredictorConfig keep_all{PredictorKind::sign_rule, std::numeric_limits<double>::infinity(), 0.0};
+  const PredictorConfig keep_all{PredictorKind::sign_rule, std::numeric_limits<double>::infinity(), 0.0, 1.0};
   const int32_t cols = weights.d_model;
   std::vector<float> y(static_cast<size_t>(kDecodeMaxRows) * cols), y_exact(y.size());
   cpu::DecodeScratch scratch;
   double error = 0, norm = 0;
   for (int64_t begin = 0; begin < rows; begin += kDecodeMaxRows) {
     const int64_t count = std::min<int64_t>(kDecodeMaxRows, rows - begin);
-    cpu::decode_ffn(x + begin * cols, count, weights, signs, predictor, y.data(), scratch);
+    cpu::decode_ffn(x + begin * cols, count, weights, signs, predictor, y.data(), scratch,
+                    {.gates = GateSelection::predicted});  // the predictor's error, at any M
     cpu::decode_ffn(x + begin * cols, count, weights, signs, keep_all, y_exact.data(), scratch);
     for (int64_t i = 0; i < count * cols; ++i) {
       error += std::pow(static_cast<double>(y[i]) - y_exact[i], 2);
