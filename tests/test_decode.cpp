@@ -153,10 +153,12 @@ TEST(DecodeGateSelection, AllGatesOnceThePredictedNeuronsCoverMostOfH) {
   PredictorConfig predictor;
   EXPECT_FALSE(gates_all_neurons(predictor, 16)) << "unknown fraction: the predictor";
   predictor.predicted_fraction = 0.36;  // one-bit on the synthetic workload, no exact columns
-  EXPECT_FALSE(gates_all_neurons(predictor, 1));
-  EXPECT_TRUE(gates_all_neurons(predictor, 2));  // 1 - 0.64^2 = 0.59
+  EXPECT_FALSE(gates_all_neurons(predictor, 2));  // 1 - 0.64^2 = 0.59
+  EXPECT_TRUE(gates_all_neurons(predictor, 4));   // 0.83
   predictor.predicted_fraction = 0.026;  // two-bit-norm on a real L1-trained model
   EXPECT_FALSE(gates_all_neurons(predictor, 16));  // 0.34
+  predictor.predicted_fraction = 0.62;  // the sign rule on the synthetic workload
+  EXPECT_FALSE(gates_all_neurons(predictor, 1));
   predictor.predicted_fraction = 1.0;
   EXPECT_TRUE(gates_all_neurons(predictor, 1));
 }

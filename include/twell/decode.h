@@ -101,8 +101,9 @@ enum class GateSelection {
 // keeps for some token would cover at least kAllGatesCoverage of H (tokens taken as independent,
 // 1 − (1 − predicted_fraction)^M), the gate rows read are nearly all of them anyway, and the
 // predictor's scoring (its cost grows with M) buys almost nothing. Unknown predicted_fraction (0):
-// the predictor.
-inline constexpr double kAllGatesCoverage = 0.5;
+// the predictor. Measured on the H200 (docs/perf-notes.md, "Every gate"): the predictor was faster
+// at a coverage of 62% (M = 1) and below, every gate at 90% and above.
+inline constexpr double kAllGatesCoverage = 0.75;
 bool gates_all_neurons(const PredictorConfig& predictor, int64_t rows);
 
 struct DecodeOptions {
