@@ -7,7 +7,8 @@
 // neurons with predicted tokens (and, when they are few, their up and down rows in the same round
 // trip) into shared memory and computes the exact gates of all tokens as one mma per 16 columns and
 // 8 neurons; for the truly active (token, neuron) pairs u = x·up[j] the same way, and y += relu(g)·u·
-// down[j] by vector atomics. The first block to start zeroes y and the others wait for it before
+// down[j] by vector atomics. When every gate is computed (DecodeOptions::gates), the scoring is
+// skipped and every neuron's gate row read. The first block to start zeroes y and the others wait for it before
 // their first atomic (with DecodeOptions::accumulate, y is added to as it is). Nothing allocates
 // and nothing waits on the host, so run() can be captured in a CUDA graph; the launch is a
 // programmatic dependent one (it starts while the stream's previous kernel ends). The sum order of y
