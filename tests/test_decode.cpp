@@ -129,9 +129,7 @@ TEST_P(DecodeTest, AllGatesEqualsDenseFfnWhateverThePredictor) {
                                       std::tuple{GateSelection::predicted, 1.0, false}}) {
     SCOPED_TRACE(testing::Message() << "gates " << static_cast<int>(gates) << ", predicted_fraction " << fraction);
     keeps_nothing.predicted_fraction = fraction;
-    ASSERT_EQ(gates == GateSelection::all_neurons || (gates == GateSelection::automatic &&
-                                                      gates_all_neurons(keeps_nothing, rows())),
-              all);
+    ASSERT_EQ(computes_all_gates({.gates = gates}, keeps_nothing, rows()), all);
     std::vector<float> y;
     const DecodeStats stats = decode(keeps_nothing, y, {.count_missed = true, .gates = gates});
     if (all) {

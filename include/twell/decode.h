@@ -116,6 +116,9 @@ struct DecodeOptions {
   GateSelection gates = GateSelection::automatic;
 };
 
+// Whether a call computes every gate: gates = all_neurons, or automatic where gates_all_neurons.
+bool computes_all_gates(const DecodeOptions& options, const PredictorConfig& predictor, int64_t rows);
+
 // Quality of a predictor on sample inputs, against the exact float64 projection.
 struct PredictorQuality {
   int64_t pairs = 0;      // M·H

@@ -112,6 +112,11 @@ bool gates_all_neurons(const PredictorConfig& predictor, int64_t rows) {
   return kept > 0.0 && 1.0 - std::pow(1.0 - kept, static_cast<double>(rows)) >= kAllGatesCoverage;
 }
 
+bool computes_all_gates(const DecodeOptions& options, const PredictorConfig& predictor, int64_t rows) {
+  return options.gates == GateSelection::all_neurons ||
+         (options.gates == GateSelection::automatic && gates_all_neurons(predictor, rows));
+}
+
 Calibration calibrate_predictor(const float* x, int64_t rows, const FfnWeights& weights, const SignBits& signs,
                                 PredictorKind kind, double target_recall) {
   TWELL_REQUIRE(target_recall > 0.0 && target_recall <= 1.0, "target_recall must lie in (0, 1], got {}",

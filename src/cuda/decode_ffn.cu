@@ -820,8 +820,7 @@ void DecodeLayer::run(const bf16* x, int64_t rows, const PredictorConfig& predic
   p.hidden = w.d_hidden;
   p.words = s.words;
   p.words_per_part = s.words_per_part;
-  const bool all_gates = options.gates == GateSelection::all_neurons ||
-                         (options.gates == GateSelection::automatic && gates_all_neurons(predictor, rows));
+  const bool all_gates = computes_all_gates(options, predictor, rows);
   p.shared = layout_of(all_gates, planes_of(predictor.kind), rows > kTokenTile ? 2 * kTokenTile : kTokenTile,
                        s.words, s.words_per_part);
   p.max_negatives =

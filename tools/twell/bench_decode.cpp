@@ -488,10 +488,8 @@ void run_decode_bench(const DecodeBenchOptions& options) {
                                   static_cast<double>(total.active) / options.input_sets * (matrices - 1) *
                                       options.d_model * element_bytes;
         record.extra["predictor"] = to_string(impl.predictor->kind);
-        record.extra["gates"] = options.gate_selection() == GateSelection::automatic &&
-                                        gates_all_neurons(*impl.predictor, rows)
-                                    ? "all"
-                                    : "predicted";
+        record.extra["gates"] =
+            computes_all_gates({.gates = options.gate_selection()}, *impl.predictor, rows) ? "all" : "predicted";
         record.extra["alpha"] = impl.predictor->alpha;
         record.extra["margin"] = impl.predictor->margin;
         record.extra["exact_columns"] = signs.exact_columns;
