@@ -4,7 +4,8 @@
 // Two phases in one OpenMP region:
 //   1. neurons split statically over the threads: each thread scores its neurons for every row,
 //      computes the exact projection for the predicted ones and appends the truly active ones
-//      (row, neuron, relu(g)·u) to its own list. Only predicted rows of W are read.
+//      (row, neuron, relu(g)·u) to its own list. Only predicted rows of W are read. (With every gate,
+//      DecodeOptions::gates, no scoring: blocks of neurons against all rows at once, as a GEMM.)
 //   2. after the barrier, columns of y split over the threads: each thread adds coefficient · down[j]
 //      over every list into its own columns. No atomics, and the sum order depends only on the
 //      thread count, so a call is deterministic.
@@ -35,6 +36,9 @@ const DecodeKernelTable& active_decode_kernels() {
 }
 
 namespace {
+
+// Neurons per dot_block call when every gate is computed.
+constexpr int32_t kAllGatesBlock = 64;
 
 // The power-of-two step of gate_inputs for a row whose largest |x| over the approximated columns
 // is `largest` (finite).
@@ -305,30 +309,42 @@ DecodeStats decode_ffn(const float* x, int64_t rows, const FfnWeights& weights, 
         found.push_back({up_batch[i].row, up_batch[i].neuron, up_batch[i].activation * up[i]});
       up_count = 0;
     };
+    // An exact gate computed: the active ones go on (to their up row when gated).
+    const auto take_gate = [&](int32_t row, int32_t neuron, float activation) {
+      ++predicted;
+      if (!(activation > 0.0f)) return;
+      ++active;
+      if (!weights.gated) {
+        found.push_back({row, neuron, activation});
+        return;
+      }
+      up_batch[up_count++] = {row, neuron, activation};
+      if (up_count == kPairedDots) flush_up();
+    };
     const auto flush_gates = [&] {
       float activation[kPairedDots];
       batch_dots(gate_batch, gate_count, projection, activation);
-      for (int32_t i = 0; i < gate_count; ++i) {
-        ++predicted;
-        if (!(activation[i] > 0.0f)) continue;
-        ++active;
-        if (!weights.gated) {
-          found.push_back({gate_batch[i].row, gate_batch[i].neuron, activation[i]});
-          continue;
-        }
-        up_batch[up_count++] = {gate_batch[i].row, gate_batch[i].neuron, activation[i]};
-        if (up_count == kPairedDots) flush_up();
-      }
+      for (int32_t i = 0; i < gate_count; ++i) take_gate(gate_batch[i].row, gate_batch[i].neuron, activation[i]);
       gate_count = 0;
     };
 
+    if (all_gates) {
+      // Every gate: blocks of neurons against all M rows at once (dot_block reads each row of W once
+      // for every token; pair by pair it would be read M times).
 #pragma omp for schedule(static) nowait
-    for (int32_t j = 0; j < hidden; ++j) {
+      for (int32_t first = 0; first < hidden; first += kAllGatesBlock) {
+        const int32_t count = std::min(kAllGatesBlock, hidden - first);
+        float gates[kDecodeMaxRows * kAllGatesBlock];
+        kernels.dot_block(x, rows, projection + static_cast<size_t>(first) * cols, count, cols, gates,
+                          kAllGatesBlock);
+        for (int32_t n = 0; n < count; ++n)
+          for (int32_t m = 0; m < rows; ++m) take_gate(m, first + n, gates[m * kAllGatesBlock + n]);
+      }
+    }
+#pragma omp for schedule(static) nowait
+    for (int32_t j = 0; j < (all_gates ? 0 : hidden); ++j) {
       bool predicted_rows[kDecodeMaxRows];
-      if (all_gates)
-        std::fill_n(predicted_rows, rows, true);
-      else
-        scorer.predict(predictor.kind, j, max_negatives, min_score, predicted_rows);
+      scorer.predict(predictor.kind, j, max_negatives, min_score, predicted_rows);
       for (int32_t m = 0; m < rows; ++m) {
         if (predicted_rows[m]) {
           gate_batch[gate_count++] = {m, j, 0.0f};
