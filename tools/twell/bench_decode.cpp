@@ -550,7 +550,7 @@ void add_bench_decode(CLI::App& bench) {
       ->check(CLI::Range(1, 64));
   command->add_option("--gates", options->gates,
                       "the predictor impls' gates: automatic (every gate where the predicted neurons of the M tokens "
-                      "would cover most of H) or predicted (always the predictor's)")
+                      "would cover three quarters of H) or predicted (always the predictor's)")
       ->capture_default_str()
       ->check(CLI::IsMember({"automatic", "predicted"}));
   command->callback([options] { run_decode_bench(*options); });
