@@ -26,6 +26,8 @@
 // stream's previous kernel ends, x and y are touched only after griddepcontrol.wait, and once every
 // block has its ticket the next call may start the same way.
 // Bytes: the sign planes of every neuron + gate rows of predicted neurons + up/down rows of active ones.
+// When every gate is computed (DecodeOptions::gates; decode_ffn_kernel<…, kAllGates>), steps 1 and 2
+// are skipped and every (token, neuron) pair counts as predicted: no planes, all gate rows.
 #include <cuda_bf16.h>
 
 #include <algorithm>
