@@ -68,6 +68,12 @@ struct PredictorConfig {
   double predicted_fraction = 0.0;
 };
 
+// The setting that keeps every neuron (the sign rule at alpha = +inf, predicted_fraction 1): exact,
+// and under GateSelection::automatic served by every gate without scoring. A model's until calibrated.
+inline PredictorConfig keeps_every_neuron() {
+  return {PredictorKind::sign_rule, std::numeric_limits<double>::infinity(), 0.0, 1.0};
+}
+
 // z = score / (residual · norm), the normalized one-bit and two-bit gates; a zero denominator (a row that is
 // exactly ±scale, or x = 0) makes the estimate exact, so z is ±inf by the sign of the score (0 for 0).
 // Host and device: the CUDA kernels apply the same rule.

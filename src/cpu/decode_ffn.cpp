@@ -272,7 +272,7 @@ DecodeStats decode_ffn(const float* x, int64_t rows, const FfnWeights& weights, 
   const int32_t max_negatives = sign_rule ? sign_rule_max_negatives(predictor.alpha, cols) : 0;
   const float min_score = static_cast<float>(-predictor.margin);
   const bool all_gates = computes_all_gates(options, predictor, rows);
-  prepare_rows(x, rows, signs, sign_rule, scratch);
+  prepare_rows(x, rows, signs, sign_rule, scratch);  // also refuses a non-finite x
 
   const KernelTable& kernels = active_kernels();
   const float* projection = weights.relu_projection().data();  // [H, D]
@@ -284,7 +284,6 @@ DecodeStats decode_ffn(const float* x, int64_t rows, const FfnWeights& weights, 
   {
     std::vector<DecodeScratch::ActiveNeuron>& found = scratch.active[omp_get_thread_num()];
     found.clear();
-    const BlockPredictor scorer(signs, scratch, 0, static_cast<int32_t>(rows));
     // The exact gate of the predicted pairs, and the up row of the truly active ones, in batches of
     // kPairedDots pairs whose rows are read together: their cache misses overlap.
     struct Pair {
@@ -340,19 +339,21 @@ DecodeStats decode_ffn(const float* x, int64_t rows, const FfnWeights& weights, 
         for (int32_t n = 0; n < count; ++n)
           for (int32_t m = 0; m < rows; ++m) take_gate(m, first + n, gates[m * kAllGatesBlock + n]);
       }
-    }
+    } else {
+      const BlockPredictor scorer(signs, scratch, 0, static_cast<int32_t>(rows));
 #pragma omp for schedule(static) nowait
-    for (int32_t j = 0; j < (all_gates ? 0 : hidden); ++j) {
-      bool predicted_rows[kDecodeMaxRows];
-      scorer.predict(predictor.kind, j, max_negatives, min_score, predicted_rows);
-      for (int32_t m = 0; m < rows; ++m) {
-        if (predicted_rows[m]) {
-          gate_batch[gate_count++] = {m, j, 0.0f};
-          if (gate_count == kPairedDots) flush_gates();
-        } else if (options.count_missed) {
-          float activation;
-          kernels.dot_block(x + m * cols, 1, projection + static_cast<size_t>(j) * cols, 1, cols, &activation, 1);
-          missed += activation > 0.0f;
+      for (int32_t j = 0; j < hidden; ++j) {
+        bool predicted_rows[kDecodeMaxRows];
+        scorer.predict(predictor.kind, j, max_negatives, min_score, predicted_rows);
+        for (int32_t m = 0; m < rows; ++m) {
+          if (predicted_rows[m]) {
+            gate_batch[gate_count++] = {m, j, 0.0f};
+            if (gate_count == kPairedDots) flush_gates();
+          } else if (options.count_missed) {
+            float activation;
+            kernels.dot_block(x + m * cols, 1, projection + static_cast<size_t>(j) * cols, 1, cols, &activation, 1);
+            missed += activation > 0.0f;
+          }
         }
       }
     }

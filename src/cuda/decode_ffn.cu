@@ -514,9 +514,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) decode_ffn_kernel(D
   // Step 2: each thread decides its (token, neuron).
   const int own_neuron = threadIdx.x % kTileNeurons, own_token = threadIdx.x / kTileNeurons;
   bool pair_predicted = false;
-  if (own_token < p.rows && first_neuron + own_neuron < p.hidden && kAllGates) {
+  const bool pair_exists = own_token < p.rows && first_neuron + own_neuron < p.hidden;
+  if (pair_exists && kAllGates) {
     pair_predicted = true;
-  } else if (own_token < p.rows && first_neuron + own_neuron < p.hidden) {
+  } else if (pair_exists) {
     float sums[kPlanes];
 #pragma unroll
     for (int plane = 0; plane < kPlanes; ++plane) {
@@ -754,7 +755,8 @@ DecodeLayer::DecodeLayer(const DeviceFfnWeights& weights, const SignBits& signs)
   s.words = signs.words_per_row();
   s.words_per_part = (s.words + kParts - 1) / kParts;
   s.tiles = (hidden + kTileNeurons - 1) / kTileNeurons;
-  // The most any launch takes: two planes, and one or two token tiles (the slots fill what step 1 leaves).
+  // The most any launch takes: two planes or every gate's slots, one or two token tiles (the slots
+  // fill what step 1 leaves).
   size_t shared = 0;
   for (int tokens : {kTokenTile, 2 * kTokenTile})
     for (bool all_gates : {false, true})

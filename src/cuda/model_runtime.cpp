@@ -326,9 +326,7 @@ void CudaModel::set_ffn_path(FfnPath path) {
     m.sparse = std::make_unique<SparseFfn>(SparseFfnOptions{.allow_dense = m.options.ffn_dispatch});
   if (path == FfnPath::predict && !m.layers.empty() && !m.layers[0].decode) {
     for (DeviceLayer& layer : m.layers) layer.decode = std::make_unique<DecodeLayer>(layer.ffn, layer.signs);
-    // Until calibrated, the sign rule with an alpha so large that no neuron is predicted zero: exact
-    // (and, keeping everything, served by every gate without the predictor: GateSelection::automatic).
-    m.predictors.assign(c.n_layers, PredictorConfig{PredictorKind::sign_rule, 1e9, 0.0, 1.0});
+    m.predictors.assign(c.n_layers, keeps_every_neuron());
   }
   m.drop_graphs();
   m.path = path;

@@ -147,11 +147,8 @@ void Model::set_ffn_path(FfnPath path) {
                   to_string(config_.activation),
                   config_.activation == FfnActivation::fatrelu ? " (threshold > 0: the sparse kernels implement plain relu)"
                                                                : "");
-  // Until calibrated, the sign rule with an alpha so large that no neuron is predicted zero: exact
-  // (and, keeping everything, served by every gate without the predictor: GateSelection::automatic).
   if (path == FfnPath::predict && predictors_.empty())
-    predictors_.assign(config_.n_layers,
-                       LayerPredictor{PredictorConfig{PredictorKind::sign_rule, 1e9, 0.0, 1.0}, {}});
+    predictors_.assign(config_.n_layers, LayerPredictor{keeps_every_neuron(), {}});
   if (path == FfnPath::predict && relu_signs_.empty()) {
     for (int32_t layer = 0; layer < config_.n_layers; ++layer)
       relu_signs_.push_back(pack_relu_signs(layer, predictors_[layer].exact_columns));

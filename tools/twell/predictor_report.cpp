@@ -45,7 +45,7 @@ struct ReportOptions {
 // predicted active (the exact result of the same fp32 kernels), over all rows of x [rows, D].
 double decode_ffn_error(const float* x, int64_t rows, const FfnWeights& weights, const SignBits& signs,
                         const PredictorConfig& predictor) {
-  const PredictorConfig keep_all{PredictorKind::sign_rule, std::numeric_limits<double>::infinity(), 0.0, 1.0};
+  const PredictorConfig keep_all = keeps_every_neuron();
   const int32_t cols = weights.d_model;
   std::vector<float> y(static_cast<size_t>(kDecodeMaxRows) * cols), y_exact(y.size());
   cpu::DecodeScratch scratch;
