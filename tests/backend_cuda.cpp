@@ -301,9 +301,10 @@ TEST_F(CudaFfn, DispatchingFfnIsRightOnEveryPath) {
   EXPECT_TRUE(saw_dense && saw_twell) << "the first calls of a bucket time both paths";
 }
 
-// One layer run many times, M and the predictor changing from call to call, into fresh NaN-poisoned
-// outputs, every neuron predicted: each call's y is that call's exact FFN (the kernel zeroes y itself,
-// once per call, before any block adds to it).
+// One layer run many times, M, the predictor and the gate selection changing from call to call (so
+// the fused kernel and the given-gates kernel take turns on the layer's call numbering), into fresh
+// NaN-poisoned outputs, every neuron predicted: each call's y is that call's exact FFN (a kernel
+// zeroes y itself, once per call, before any block adds to it).
 TEST_F(CudaFfn, DecodeLayerCallsInARowEachMatchTheReference) {
   const WorkloadSpec spec{.rows = kDecodeMaxRows, .d_model = 264, .d_hidden = 700, .density = 0.05, .seed = 21};
   const Workload work = make_workload(spec);
@@ -314,7 +315,9 @@ TEST_F(CudaFfn, DecodeLayerCallsInARowEachMatchTheReference) {
   for (int64_t rows : {1, 16, 3, 9, 1, 16})
     for (PredictorKind kind : {PredictorKind::sign_rule, PredictorKind::one_bit_gate,
                                PredictorKind::normalized_one_bit_gate, PredictorKind::two_bit_gate}) {
-      SCOPED_TRACE(testing::Message() << "call " << call << ", M = " << rows << ", " << to_string(kind));
+      const GateSelection gates = call % 3 == 0 ? GateSelection::all_neurons : GateSelection::predicted;
+      SCOPED_TRACE(testing::Message() << "call " << call << ", M = " << rows << ", " << to_string(kind)
+                                      << (gates == GateSelection::all_neurons ? ", every gate" : ""));
       const float* x = work.x.data() + (call++ % (kDecodeMaxRows + 1 - rows)) * spec.d_model;
       const size_t count = static_cast<size_t>(rows) * spec.d_model;
       const std::vector<double> expected = ref::ffn_dense(x, rows, work.weights);
@@ -323,7 +326,7 @@ TEST_F(CudaFfn, DecodeLayerCallsInARowEachMatchTheReference) {
       test::poison(y, count);
       const cuda::DeviceArray<float> device_y = cuda::make_device_array<float>(count);
       cuda::copy_to_device(device_y.get(), y.data(), count * sizeof(float));
-      layer.run(device_x.get(), rows, PredictorConfig{kind, 1e30, 1e30}, device_y.get(), nullptr);
+      layer.run(device_x.get(), rows, PredictorConfig{kind, 1e30, 1e30}, device_y.get(), nullptr, {.gates = gates});
       cuda::copy_to_host(y.data(), device_y.get(), count * sizeof(float));
       EXPECT_TRUE(test::near_relative_l2("y", y.data(), expected.data(), count, 2e-5));
     }

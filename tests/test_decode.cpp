@@ -161,19 +161,21 @@ TEST(DecodeGateSelection, AllGatesOnceThePredictedNeuronsCoverMostOfH) {
   EXPECT_TRUE(gates_all_neurons(predictor, 1));
 }
 
-// accumulate: y += the FFN, on top of what y held (a residual stream), for every kind.
+// accumulate: y += the FFN, on top of what y held (a residual stream), for every kind and with every gate.
 TEST_P(DecodeTest, AccumulateAddsTheFfnToY) {
   const std::vector<double> ffn = ref::ffn_dense(work_.x.data(), rows(), work_.weights);
   const std::vector<float> residual = make_normal(output_count(), 1.0, work_.spec.seed + 99);
   std::vector<double> expected(ffn.size());
   for (size_t i = 0; i < ffn.size(); ++i) expected[i] = ffn[i] + residual[i];
-  for (PredictorConfig predictor : {PredictorConfig{PredictorKind::sign_rule, kHugeSetting, 0.0},
-                                    PredictorConfig{PredictorKind::two_bit_gate, 1.0, kHugeSetting}}) {
-    SCOPED_TRACE(to_string(predictor.kind));
-    std::vector<float> y = residual;
-    backend().decode_ffn(work_.x.data(), rows(), work_.weights, signs_, predictor, y.data(), {.accumulate = true});
-    EXPECT_TRUE(test::near_relative_l2("y", y.data(), expected.data(), expected.size(), kFp32Tolerance));
-  }
+  for (GateSelection gates : {GateSelection::predicted, GateSelection::all_neurons})
+    for (PredictorConfig predictor : {PredictorConfig{PredictorKind::sign_rule, kHugeSetting, 0.0},
+                                      PredictorConfig{PredictorKind::two_bit_gate, 1.0, kHugeSetting}}) {
+      SCOPED_TRACE(testing::Message() << to_string(predictor.kind) << ", gates " << static_cast<int>(gates));
+      std::vector<float> y = residual;
+      backend().decode_ffn(work_.x.data(), rows(), work_.weights, signs_, predictor, y.data(),
+                           {.accumulate = true, .gates = gates});
+      EXPECT_TRUE(test::near_relative_l2("y", y.data(), expected.data(), expected.size(), kFp32Tolerance));
+    }
 }
 
 // The sign rule at a lossy alpha: its prediction is exact integer arithmetic, so the output must

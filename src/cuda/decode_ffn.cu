@@ -26,8 +26,12 @@
 // stream's previous kernel ends, x and y are touched only after griddepcontrol.wait, and once every
 // block has its ticket the next call may start the same way.
 // Bytes: the sign planes of every neuron + gate rows of predicted neurons + up/down rows of active ones.
-// When every gate is computed (DecodeOptions::gates; decode_ffn_kernel<…, kAllGates>), steps 1 and 2
-// are skipped and every (token, neuron) pair counts as predicted: no planes, all gate rows.
+// When every gate is computed (DecodeOptions::gates), there is nothing to predict and the gates are a
+// plain product: decode_gemv (M = 1) or cuBLASLt (M > 1) writes them [M, H] fp32 into the layer's
+// buffer, streaming all of the projection near the copy rate, and given_gates_kernel does steps 3-4
+// from them. The fused kernel with every pair predicted was slower at every M (H200, M = 16: 23.5 us
+// against 17.5 with the gates by cuBLASLt; its 16-token dot products re-read x from the L2 for every
+// round of rows).
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -35,6 +39,8 @@
 #include <vector>
 
 #include "cuda_utils.h"
+#include "cuda/decode_gemv.h"
+#include "cuda/gemm.h"
 #include "cuda/warp_math.cuh"
 #include "twell/convert.h"
 #include "twell/decode_cuda.h"
@@ -60,10 +66,9 @@ constexpr int kMaxSlots = 16;      // rows a warp holds at once in steps 3 and 4
 // 2048, five neurons, against ten and three at 48 KB): the sign rule 13.3 -> 12.0 us at M = 1,
 // two-bit-norm 12.1 -> 11.5 us at M = 4, the rest unchanged (docs/perf-notes.md).
 constexpr int kSharedTarget[2] = {68 * 1024, 48 * 1024};
-// The same when every gate is computed (GateSelection::all_neurons; no planes): as many slots as three
-// blocks an SM leave room for, so that one round trip brings all 16 gate rows at one token tile (15
-// at two, whose partial dots take twice the space).
-constexpr int kAllGatesSharedTarget = 72 * 1024;
+// cuBLASLt's workspace for the gates GEMM (M <= 16; a split over K keeps [M, H] fp32 partials, 360 KB
+// each at H = 5632), held by every layer.
+constexpr size_t kGatesGemmWorkspace = 4u << 20;
 
 // What a kind reads: the two-bit gate both planes, the others the sign plane; the normalized gates
 // also divide by ||x||.
@@ -121,6 +126,7 @@ struct DecodeParams {
   float min_score;            // gates
   bool count_missed;
   bool accumulate;  // y += (nobody zeroes y, nobody waits)
+  const float* gates;  // [M, H]: every exact gate, for given_gates_kernel
 };
 
 // plane [H, words] -> [tiles, words, 8 groups, 2]: for lane (group g, quad q) of step 1's mma, word
@@ -413,9 +419,7 @@ __device__ __forceinline__ int nth_bit(uint32_t mask, int rank) {
   return __ffs(mask) - 1;
 }
 
-// kAllGates (GateSelection::all_neurons): no planes, no scoring, every pair predicted; kKind is then
-// immaterial (one_bit_gate is the one instantiated).
-template <PredictorKind kKind, int kTokenTiles, bool kAllGates>
+template <PredictorKind kKind, int kTokenTiles>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) decode_ffn_kernel(DecodeParams p) {
   constexpr int kPlanes = planes_of(kKind);
   constexpr bool kNormalized = is_normalized(kKind);
@@ -453,7 +457,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) decode_ffn_kernel(D
   const int plane_chunks = p.words * 4;  // 16-byte chunks per plane
 #pragma unroll
   for (int plane = 0; plane < kPlanes; ++plane) {
-    if (kAllGates) break;
     const uint32_t* source =
         (plane == 0 ? p.sign_tiles : p.large_tiles) + static_cast<int64_t>(blockIdx.x) * p.words * 16;
     for (int chunk = threadIdx.x; chunk < plane_chunks; chunk += kThreads)
@@ -488,7 +491,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) decode_ffn_kernel(D
   // the previous kernel; x and y belong to the stream's order from here on.
   wait_for_previous_grid();
   uint4 x[word_batch(kKind, kTokenTiles)][kTokenTiles];
-  if (!kAllGates) load_x_words(p, first_word, end_word, lane >> 2, lane & 3, x);
+  load_x_words(p, first_word, end_word, lane >> 2, lane & 3, x);
   if (kGate && threadIdx.x < p.rows * p.exact_count) {
     const int m = threadIdx.x / p.exact_count, c = threadIdx.x % p.exact_count;
     const unsigned short bits =
@@ -504,7 +507,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) decode_ffn_kernel(D
     float4* y = reinterpret_cast<float4*>(p.y);
     for (int i = threadIdx.x; i < p.rows * p.cols / 4; i += kThreads) y[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   }
-  if (!kAllGates) score_part<kKind, kTokenTiles>(p, planes, first_word, end_word, warp, lane, x, partial_scores, squares);
+  score_part<kKind, kTokenTiles>(p, planes, first_word, end_word, warp, lane, x, partial_scores, squares);
   __syncthreads();
   if (zeroes_y && threadIdx.x == kThreads - 1) {
     __threadfence();
@@ -514,10 +517,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) decode_ffn_kernel(D
   // Step 2: each thread decides its (token, neuron).
   const int own_neuron = threadIdx.x % kTileNeurons, own_token = threadIdx.x / kTileNeurons;
   bool pair_predicted = false;
-  const bool pair_exists = own_token < p.rows && first_neuron + own_neuron < p.hidden;
-  if (pair_exists && kAllGates) {
-    pair_predicted = true;
-  } else if (pair_exists) {
+  if (own_token < p.rows && first_neuron + own_neuron < p.hidden) {
     float sums[kPlanes];
 #pragma unroll
     for (int plane = 0; plane < kPlanes; ++plane) {
@@ -659,26 +659,154 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) decode_ffn_kernel(D
   }
 }
 
+// Steps 3-4 when every gate is given (p.gates [M, H], computed just before): one block per tile of 16
+// neurons, as decode_ffn_kernel (the same grid, so both kernels of a layer share the call numbering
+// of its tickets). The block lists its active (token, neuron) pairs and works through them
+// kPairBatch at a time, thread v owning the 16-byte pieces v, v + kThreads, ... of every row: the
+// pieces of x[m], up[j] and down[j] of the whole batch are loaded at once (down does not depend on
+// u), so a batch costs one round trip; u's partial sums meet in shared memory; y[m] += g·u·down[j] by
+// vector atomics. Only the x rows of active pairs are read (the fused kernel's 16-token products
+// read all of x for every round of rows).
+constexpr int kPairBatch = 4;
+static_assert(kTileNeurons * kDecodeMaxRows <= kThreads, "one thread per (token, neuron) of a tile lists the pairs");
+
+template <bool kGated>
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) given_gates_kernel(DecodeParams p) {
+  __shared__ uint32_t pair_token_neuron[kTileNeurons * kDecodeMaxRows];  // token << 16 | neuron of the tile
+  __shared__ float pair_gate[kTileNeurons * kDecodeMaxRows];
+  __shared__ float partial_dots[kParts][kPairBatch];
+  __shared__ unsigned int pair_count;
+  __shared__ unsigned long long call;
+  __shared__ bool zeroes_y;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int first_neuron = blockIdx.x * kTileNeurons;
+  if (threadIdx.x == 0) {
+    const unsigned long long ticket = atomicAdd(&p.sync->started, 1ull);
+    call = ticket / gridDim.x;
+    zeroes_y = !p.accumulate && ticket % gridDim.x == 0;
+    pair_count = 0u;
+  }
+  wait_for_previous_grid();
+  __syncthreads();
+  allow_dependent_grids();  // every block has its ticket
+
+  const int own_neuron = threadIdx.x % kTileNeurons, own_token = threadIdx.x / kTileNeurons;
+  if (own_token < p.rows && first_neuron + own_neuron < p.hidden) {
+    const float g = p.gates[static_cast<int64_t>(own_token) * p.hidden + first_neuron + own_neuron];
+    if (g > 0.0f) {
+      const unsigned int at = atomicAdd(&pair_count, 1u);
+      pair_token_neuron[at] = static_cast<uint32_t>(own_token) << 16 | static_cast<uint32_t>(own_neuron);
+      pair_gate[at] = g;
+    }
+  }
+  if (zeroes_y) {
+    float4* y = reinterpret_cast<float4*>(p.y);
+    for (int i = threadIdx.x; i < p.rows * p.cols / 4; i += kThreads) y[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
+  __syncthreads();
+  if (zeroes_y && threadIdx.x == kThreads - 1) {
+    __threadfence();
+    store_release(&p.sync->zeroed, call + 1);
+  }
+  const int count = static_cast<int>(pair_count);
+  const int pieces = p.cols / kChunk;
+  bool y_zeroed = p.accumulate;
+  for (int first = 0; first < count; first += kPairBatch) {
+    const int batch = min(kPairBatch, count - first);
+    const uint4* x_row[kPairBatch];
+    const uint4 *up_row[kPairBatch], *down_row[kPairBatch];
+    float* y_row[kPairBatch];
+    float coefficient[kPairBatch];
+#pragma unroll
+    for (int b = 0; b < kPairBatch; ++b) {
+      const uint32_t pair = pair_token_neuron[first + min(b, batch - 1)];
+      const int64_t m = pair >> 16, j = first_neuron + (pair & 0xffffu);
+      x_row[b] = reinterpret_cast<const uint4*>(p.x + m * p.cols);
+      up_row[b] = kGated ? reinterpret_cast<const uint4*>(p.up + j * p.cols) : nullptr;
+      down_row[b] = reinterpret_cast<const uint4*>(p.down + j * p.cols);
+      y_row[b] = p.y + m * p.cols;
+      coefficient[b] = pair_gate[first + min(b, batch - 1)];
+    }
+    // This thread's first piece of every down row comes with the up product's loads.
+    uint4 first_down[kPairBatch];
+#pragma unroll
+    for (int b = 0; b < kPairBatch; ++b)
+      first_down[b] = b < batch && threadIdx.x < pieces ? __ldg(down_row[b] + threadIdx.x) : make_uint4(0u, 0u, 0u, 0u);
+    if (kGated) {
+      float dots[kPairBatch] = {};
+      for (int piece = threadIdx.x; piece < pieces; piece += kThreads) {
+        uint4 x[kPairBatch], up[kPairBatch];
+#pragma unroll
+        for (int b = 0; b < kPairBatch; ++b) {
+          if (b >= batch) break;
+          x[b] = __ldg(x_row[b] + piece);
+          up[b] = __ldg(up_row[b] + piece);
+        }
+#pragma unroll
+        for (int b = 0; b < kPairBatch; ++b)
+          if (b < batch) dots[b] += dot8(x[b], up[b]);
+      }
+#pragma unroll
+      for (int b = 0; b < kPairBatch; ++b) {
+        const float sum = warp_sum(dots[b]);
+        if (lane == 0) partial_dots[warp][b] = sum;
+      }
+    }
+    if (threadIdx.x == 0 && !y_zeroed)
+      for (unsigned long long zeroed = load_acquire(&p.sync->zeroed); zeroed <= call;)
+        zeroed = load_acquire(&p.sync->zeroed);
+    y_zeroed = true;
+    __syncthreads();
+    if (kGated) {
+#pragma unroll
+      for (int b = 0; b < kPairBatch; ++b) {
+        float u = 0.0f;
+#pragma unroll
+        for (int part = 0; part < kParts; ++part) u += partial_dots[part][b];
+        coefficient[b] *= u;  // non-gated: relu(x·up[j]) is the gate itself
+      }
+      __syncthreads();  // partial_dots is the next batch's
+    }
+    for (int piece = threadIdx.x; piece < pieces; piece += kThreads) {
+#pragma unroll
+      for (int b = 0; b < kPairBatch; ++b) {
+        if (b >= batch) break;
+        const uint4 d = piece == threadIdx.x ? first_down[b] : __ldg(down_row[b] + piece);
+        const float c = coefficient[b];
+        float* out = y_row[b] + piece * kChunk;
+        red_add_v4(out, c * bf16_low(d.x), c * bf16_high(d.x), c * bf16_low(d.y), c * bf16_high(d.y));
+        red_add_v4(out + 4, c * bf16_low(d.z), c * bf16_high(d.z), c * bf16_low(d.w), c * bf16_high(d.w));
+      }
+    }
+  }
+  if (threadIdx.x == 0) {
+    Counters& slot = p.counters[blockIdx.x];
+    const int neurons = min(kTileNeurons, p.hidden - first_neuron);
+    atomicAdd(&slot.predicted, static_cast<unsigned long long>(p.rows * neurons));
+    if (count != 0) atomicAdd(&slot.active, static_cast<unsigned long long>(count));
+  }
+}
+
 // A programmatic launch (PDL): the kernel may start while the stream's previous kernel finishes, and
 // waits for it (griddepcontrol.wait) only before it touches x and y. Measured on the H200 (bench
 // decode, graph of 20 calls): 1.0 us off M = 1 (10.6 -> 9.5 us, two-bit-norm), 0.7-1.2 us off M = 4
 // and 16; without the early trigger in the kernel, 0.2-0.3 us.
-template <PredictorKind kKind, bool kAllGates = false>
+template <PredictorKind kKind>
 void launch(const DecodeParams& p, int tiles, cudaStream_t stream) {
   const auto shared = static_cast<size_t>(p.shared.bytes());
   if (p.rows > kTokenTile)
-    launch_programmatic(decode_ffn_kernel<kKind, 2, kAllGates>, dim3(tiles), dim3(kThreads), shared, stream, p);
+    launch_programmatic(decode_ffn_kernel<kKind, 2>, dim3(tiles), dim3(kThreads), shared, stream, p);
   else
-    launch_programmatic(decode_ffn_kernel<kKind, 1, kAllGates>, dim3(tiles), dim3(kThreads), shared, stream, p);
+    launch_programmatic(decode_ffn_kernel<kKind, 1>, dim3(tiles), dim3(kThreads), shared, stream, p);
 }
 
 // Lets both kernels of a kind take `shared` bytes of dynamic shared memory (beyond the default 48 KiB
 // when needed).
-template <PredictorKind kKind, bool kAllGates = false>
+template <PredictorKind kKind>
 void allow_shared(size_t shared) {
-  TWELL_CUDA_CHECK(cudaFuncSetAttribute(decode_ffn_kernel<kKind, 1, kAllGates>,
+  TWELL_CUDA_CHECK(cudaFuncSetAttribute(decode_ffn_kernel<kKind, 1>,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
-  TWELL_CUDA_CHECK(cudaFuncSetAttribute(decode_ffn_kernel<kKind, 2, kAllGates>,
+  TWELL_CUDA_CHECK(cudaFuncSetAttribute(decode_ffn_kernel<kKind, 2>,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
 }
 
@@ -697,10 +825,9 @@ SharedLayout shared_layout(int planes, int tokens, int32_t words, int32_t words_
   return s;
 }
 
-// A call's layout: the predictor's planes and slots, or (all gates) slots only.
-SharedLayout layout_of(bool all_gates, int planes, int tokens, int32_t words, int32_t words_per_part) {
-  return all_gates ? shared_layout(0, tokens, words, words_per_part, kAllGatesSharedTarget)
-                   : shared_layout(planes, tokens, words, words_per_part, kSharedTarget[tokens / kTokenTile - 1]);
+// A call's layout: the predictor's planes and slots for `tokens` tokens.
+SharedLayout layout_of(int planes, int tokens, int32_t words, int32_t words_per_part) {
+  return shared_layout(planes, tokens, words, words_per_part, kSharedTarget[tokens / kTokenTile - 1]);
 }
 
 // The exact weights minus the term the planes already count at that column: W[j, c] − scale_j·sign,
@@ -734,6 +861,10 @@ struct DecodeLayer::Impl {
   DeviceBuffer<CallSync> sync;
   DeviceBuffer<Counters> counters;    // [tiles]
   mutable bool all_counted_missed = true;  // every run since the last stats() counted misses
+  // Every gate (GateSelection::all_neurons): gates [M, H] = x · projectionᵀ by cuBLASLt for M > 1.
+  // A small workspace: this GEMM's M is at most 16, and a model holds one per layer.
+  mutable RowMajorGemm gemm{kGatesGemmWorkspace};
+  DeviceBuffer<float> gates;  // [kDecodeMaxRows, H]
 };
 
 DecodeLayer::DecodeLayer(const DeviceFfnWeights& weights, const SignBits& signs) : impl_(std::make_unique<Impl>()) {
@@ -755,12 +886,10 @@ DecodeLayer::DecodeLayer(const DeviceFfnWeights& weights, const SignBits& signs)
   s.words = signs.words_per_row();
   s.words_per_part = (s.words + kParts - 1) / kParts;
   s.tiles = (hidden + kTileNeurons - 1) / kTileNeurons;
-  // The most any launch takes: two planes or every gate's slots, one or two token tiles (the slots
-  // fill what step 1 leaves).
+  // The most any launch takes: two planes, one or two token tiles (the slots fill what step 1 leaves).
   size_t shared = 0;
   for (int tokens : {kTokenTile, 2 * kTokenTile})
-    for (bool all_gates : {false, true})
-      shared = std::max(shared, static_cast<size_t>(layout_of(all_gates, 2, tokens, s.words, s.words_per_part).bytes()));
+    shared = std::max(shared, static_cast<size_t>(layout_of(2, tokens, s.words, s.words_per_part).bytes()));
   TWELL_REQUIRE(shared <= static_cast<size_t>(device_facts().max_smem_per_block_optin) - 8 * 1024,
                 "decode on CUDA: D = {} needs {} bytes of shared memory for the sign planes and two rows of 16 "
                 "neurons, more than this GPU gives a block",
@@ -789,7 +918,7 @@ DecodeLayer::DecodeLayer(const DeviceFfnWeights& weights, const SignBits& signs)
   allow_shared<PredictorKind::one_bit_gate>(shared);
   allow_shared<PredictorKind::normalized_one_bit_gate>(shared);
   allow_shared<PredictorKind::two_bit_gate>(shared);
-  allow_shared<PredictorKind::one_bit_gate, true>(shared);
+  s.gates.resize(static_cast<size_t>(kDecodeMaxRows) * h);
   TWELL_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
@@ -824,9 +953,8 @@ void DecodeLayer::run(const bf16* x, int64_t rows, const PredictorConfig& predic
   p.hidden = w.d_hidden;
   p.words = s.words;
   p.words_per_part = s.words_per_part;
-  const bool all_gates = computes_all_gates(options, predictor, rows);
-  p.shared = layout_of(all_gates, planes_of(predictor.kind), rows > kTokenTile ? 2 * kTokenTile : kTokenTile,
-                       s.words, s.words_per_part);
+  p.shared = layout_of(planes_of(predictor.kind), rows > kTokenTile ? 2 * kTokenTile : kTokenTile, s.words,
+                       s.words_per_part);
   p.max_negatives =
       predictor.kind == PredictorKind::sign_rule ? sign_rule_max_negatives(predictor.alpha, w.d_model) : 0;
   p.min_score = static_cast<float>(-predictor.margin);
@@ -834,8 +962,19 @@ void DecodeLayer::run(const bf16* x, int64_t rows, const PredictorConfig& predic
   p.accumulate = options.accumulate;
   impl_->all_counted_missed = impl_->all_counted_missed && options.count_missed;
 
-  if (all_gates) {
-    launch<PredictorKind::one_bit_gate, true>(p, s.tiles, stream);
+  if (computes_all_gates(options, predictor, rows)) {
+    // gates [M, H] = x [M, D] · projectionᵀ: decode_gemv for one row, cuBLASLt for more (H200, the
+    // whole call: 12.4 against 13.8 us at M = 1, 14.3 against 19.4 at M = 4; docs/perf-notes.md).
+    if (rows == 1 && decode_gemv_supports(1, w.d_model))
+      decode_gemv(1, w.d_hidden, w.d_model, GemvInput::rows(x), p.projection, s.gates.data(), GemvOutput::f32, stream);
+    else
+      s.gemm.run(rows, w.d_hidden, w.d_model, GemmOperand{x, w.d_model, false},
+                 GemmOperand{p.projection, w.d_model, true}, s.gates.data(), w.d_hidden, GemmOutput::f32, 0.0f, stream);
+    p.gates = s.gates.data();
+    if (w.gated)
+      launch_programmatic(given_gates_kernel<true>, dim3(s.tiles), dim3(kThreads), 0, stream, p);
+    else
+      launch_programmatic(given_gates_kernel<false>, dim3(s.tiles), dim3(kThreads), 0, stream, p);
     return;
   }
   switch (predictor.kind) {

@@ -188,6 +188,8 @@ __global__ void __launch_bounds__(kThreads, kMaxRows == 1 ? 0 : 2) decode_gemv_k
         const int64_t at = static_cast<int64_t>(m) * p.n + row;
         if (p.output == GemvOutput::bf16)
           static_cast<bf16*>(p.y)[at] = to_bf16(sum);
+        else if (p.output == GemvOutput::f32)
+          static_cast<float*>(p.y)[at] = sum;
         else
           static_cast<float*>(p.y)[at] += sum;
       }

@@ -35,6 +35,7 @@ struct GemvInput {
 enum class GemvOutput {
   bf16,           // y: bf16 [M, N]
   f32_add,        // y: fp32 [M, N], y += x · Wᵀ
+  f32,            // y: fp32 [M, N] = x · Wᵀ
 };
 
 // An f32_add call's optional last step, done by the last block to finish: normed [M, N] bf16 = the

@@ -4,11 +4,6 @@
 #include "twell/error.h"
 
 namespace twell::cuda {
-namespace {
-
-constexpr size_t kWorkspaceBytes = 32u << 20;
-
-}  // namespace
 
 // The descriptors and algorithm of one (shape, layout, epilogue, batch).
 struct RowMajorGemm::Plan {
@@ -23,9 +18,9 @@ struct RowMajorGemm::Plan {
   }
 };
 
-RowMajorGemm::RowMajorGemm() {
+RowMajorGemm::RowMajorGemm(size_t workspace_bytes) {
   TWELL_CUBLAS_CHECK(cublasLtCreate(&handle_));
-  workspace_.resize(kWorkspaceBytes);
+  workspace_.resize(workspace_bytes);
 }
 
 RowMajorGemm::~RowMajorGemm() {

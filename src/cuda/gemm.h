@@ -36,7 +36,9 @@ struct GemmBatch {
 
 class RowMajorGemm {
  public:
-  RowMajorGemm();
+  // cuBLASLt may use up to workspace_bytes of device memory per call (split-K partials and the like).
+  static constexpr size_t kDefaultWorkspaceBytes = 32u << 20;
+  explicit RowMajorGemm(size_t workspace_bytes = kDefaultWorkspaceBytes);
   ~RowMajorGemm();
   RowMajorGemm(const RowMajorGemm&) = delete;
   RowMajorGemm& operator=(const RowMajorGemm&) = delete;
