@@ -182,6 +182,7 @@ const bool registered = test::register_backend({
           std::copy(got.begin(), got.end(), out);
         },
     .decode_d_multiple = 8,  // 16-byte weight rows
+    .decode_all_gates = kCudaAllGates,
 });
 
 // ---- Tests beyond the harness ----

@@ -118,6 +118,7 @@ struct FfnBackend {
   DecodeProjectionOp decode_projection;
   DecodeAttentionOp decode_attention;
   int32_t decode_d_multiple = 1;  // decode_ffn takes D a multiple of this only (its signs are not padded)
+  AllGatesRule decode_all_gates = kCpuAllGates;  // where decode_ffn's GateSelection::automatic takes every gate
 };
 
 // Returns true so that it can initialise a namespace-scope constant. Throws on a duplicate name.

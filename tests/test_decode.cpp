@@ -76,7 +76,8 @@ class DecodeTest : public test::OpTest {
   int64_t rows() const { return work_.spec.rows; }
   size_t output_count() const { return static_cast<size_t>(rows()) * work_.weights.d_model; }
 
-  // Runs the backend into a NaN-poisoned y.
+  // Runs the backend into a NaN-poisoned y. The predictor's tests ask for GateSelection::predicted: the
+  // automatic choice takes every gate where the backend finds that faster (on CUDA from M = 4 on).
   DecodeStats decode(const PredictorConfig& predictor, std::vector<float>& y, const DecodeOptions& options = {}) {
     test::poison(y, output_count());
     return backend().decode_ffn(work_.x.data(), rows(), work_.weights, signs_, predictor, y.data(), options);
@@ -104,7 +105,7 @@ TEST_P(DecodeTest, NothingSkippedEqualsDenseFfn) {
                                     PredictorConfig{PredictorKind::two_bit_gate, 1.0, kHugeSetting}}) {
     SCOPED_TRACE(to_string(predictor.kind));
     std::vector<float> y;
-    DecodeStats stats = decode(predictor, y, DecodeOptions{.count_missed = true});
+    DecodeStats stats = decode(predictor, y, {.count_missed = true, .gates = GateSelection::predicted});
     EXPECT_TRUE(test::near_relative_l2("y", y.data(), expected.data(), expected.size(), kFp32Tolerance));
     EXPECT_EQ(stats.predicted, rows() * work_.weights.d_hidden);
     // fp32 and float64 gates may disagree on a value within rounding of zero.
@@ -114,22 +115,24 @@ TEST_P(DecodeTest, NothingSkippedEqualsDenseFfn) {
 }
 
 // GateSelection: all_neurons computes every gate whatever the predictor says (here one that keeps
-// nothing), so the output is the exact FFN; automatic takes that path exactly when the predictor's
-// calibrated predicted_fraction says its neurons would cover most of H, and the predictor's
-// otherwise (unknown fraction: the predictor, which here drops everything).
+// nothing), so the output is the exact FFN; automatic takes that path exactly where the backend's rule
+// says so (by M, or by the calibrated predicted_fraction), and the predictor's otherwise (which here
+// drops everything).
 TEST_P(DecodeTest, AllGatesEqualsDenseFfnWhateverThePredictor) {
   const std::vector<double> expected = ref::ffn_dense(work_.x.data(), rows(), work_.weights);
   const int64_t active = reference_active_count();
   ASSERT_GT(active, 0) << "the case must have active neurons";
   const int64_t pairs = rows() * work_.weights.d_hidden;
+  const AllGatesRule& rule = backend().decode_all_gates;
+  const bool all_by_rows = rows() >= rule.min_rows;
   PredictorConfig keeps_nothing{PredictorKind::one_bit_gate, 1.0, -kHugeSetting};
   for (auto [gates, fraction, all] : {std::tuple{GateSelection::all_neurons, 0.0, true},
                                       std::tuple{GateSelection::automatic, 1.0, true},
-                                      std::tuple{GateSelection::automatic, 0.0, false},
+                                      std::tuple{GateSelection::automatic, 0.0, all_by_rows},
                                       std::tuple{GateSelection::predicted, 1.0, false}}) {
     SCOPED_TRACE(testing::Message() << "gates " << static_cast<int>(gates) << ", predicted_fraction " << fraction);
     keeps_nothing.predicted_fraction = fraction;
-    ASSERT_EQ(computes_all_gates({.gates = gates}, keeps_nothing, rows()), all);
+    ASSERT_EQ(computes_all_gates({.gates = gates}, keeps_nothing, rows(), rule), all);
     std::vector<float> y;
     const DecodeStats stats = decode(keeps_nothing, y, {.count_missed = true, .gates = gates});
     if (all) {
@@ -145,20 +148,27 @@ TEST_P(DecodeTest, AllGatesEqualsDenseFfnWhateverThePredictor) {
   }
 }
 
-// The automatic rule: every gate once the predicted neurons of M independent tokens would cover
-// kAllGatesCoverage of H.
-TEST(DecodeGateSelection, AllGatesOnceThePredictedNeuronsCoverMostOfH) {
+// The automatic rule: every gate from min_rows tokens on, or once the predicted neurons of M
+// independent tokens would cover the rule's share of H.
+TEST(DecodeGateSelection, AllGatesByRowsOrOnceThePredictedNeuronsCoverEnoughOfH) {
+  const AllGatesRule coverage_only{kDecodeMaxRows + 1, 0.75};
   PredictorConfig predictor;
-  EXPECT_FALSE(gates_all_neurons(predictor, 16)) << "unknown fraction: the predictor";
+  EXPECT_FALSE(gates_all_neurons(predictor, 16, coverage_only)) << "unknown fraction: the predictor";
+  EXPECT_TRUE(gates_all_neurons(predictor, 16, {16, 0.75})) << "by rows, whatever the fraction";
+  EXPECT_FALSE(gates_all_neurons(predictor, 15, {16, 0.75}));
   predictor.predicted_fraction = 0.36;  // one-bit on the synthetic workload, no exact columns
-  EXPECT_FALSE(gates_all_neurons(predictor, 2));  // 1 - 0.64^2 = 0.59
-  EXPECT_TRUE(gates_all_neurons(predictor, 4));   // 0.83
+  EXPECT_FALSE(gates_all_neurons(predictor, 2, coverage_only));  // 1 - 0.64^2 = 0.59
+  EXPECT_TRUE(gates_all_neurons(predictor, 2, {4, 0.5}));
+  EXPECT_TRUE(gates_all_neurons(predictor, 4, coverage_only));   // 0.83
   predictor.predicted_fraction = 0.026;  // two-bit-norm on a real L1-trained model
-  EXPECT_FALSE(gates_all_neurons(predictor, 16));  // 0.34
+  EXPECT_FALSE(gates_all_neurons(predictor, 16, coverage_only));  // 0.34
   predictor.predicted_fraction = 0.62;  // the sign rule on the synthetic workload
-  EXPECT_FALSE(gates_all_neurons(predictor, 1));
+  EXPECT_FALSE(gates_all_neurons(predictor, 1, coverage_only));
+  EXPECT_TRUE(gates_all_neurons(predictor, 1, {4, 0.5}));
   predictor.predicted_fraction = 1.0;
-  EXPECT_TRUE(gates_all_neurons(predictor, 1));
+  EXPECT_TRUE(gates_all_neurons(predictor, 1, coverage_only));
+  EXPECT_EQ(computes_all_gates({.gates = GateSelection::predicted}, predictor, 16, {1, 0.0}), false);
+  EXPECT_EQ(computes_all_gates({.gates = GateSelection::all_neurons}, PredictorConfig{}, 1, coverage_only), true);
 }
 
 // accumulate: y += the FFN, on top of what y held (a residual stream), for every kind and with every gate.
@@ -193,7 +203,8 @@ TEST_P(DecodeTest, SignRuleMatchesReferencePrediction) {
     }
     const std::vector<double> expected = ref::decode_ffn(work_.x.data(), rows(), work_.weights, mask);
     std::vector<float> y;
-    DecodeStats stats = decode(PredictorConfig{PredictorKind::sign_rule, alpha, 0.0}, y, {.count_missed = true});
+    DecodeStats stats = decode(PredictorConfig{PredictorKind::sign_rule, alpha, 0.0}, y,
+                               {.count_missed = true, .gates = GateSelection::predicted});
     EXPECT_EQ(stats.predicted, predicted);
     EXPECT_NEAR(static_cast<double>(stats.missed), static_cast<double>(missed), 1.0 + 1e-3 * missed);
     double norm = 0;
@@ -241,7 +252,7 @@ void DecodeTest::expect_reference_prediction_at_a_gap(PredictorKind kind) {
   const int64_t predicted = std::count(mask.begin(), mask.end(), 1);
   const std::vector<double> expected = ref::decode_ffn(work_.x.data(), rows(), work_.weights, mask);
   std::vector<float> y;
-  DecodeStats stats = decode(PredictorConfig{kind, 1.0, margin}, y);
+  DecodeStats stats = decode(PredictorConfig{kind, 1.0, margin}, y, {.gates = GateSelection::predicted});
   EXPECT_EQ(stats.predicted, predicted);
   EXPECT_EQ(stats.missed, -1);
   double norm = 0;
@@ -271,7 +282,8 @@ TEST_P(DecodeTest, GatesWithExactColumnsMatchReference) {
       // Conservative: every active pair's score clears it with room for fp32 rounding.
       const double conservative = -lowest_active + 0.1 * std::abs(lowest_active) + 1e-3;
       std::vector<float> y;
-      DecodeStats stats = decode(PredictorConfig{kind, 1.0, conservative}, y, {.count_missed = true});
+      DecodeStats stats =
+          decode(PredictorConfig{kind, 1.0, conservative}, y, {.count_missed = true, .gates = GateSelection::predicted});
       EXPECT_EQ(stats.missed, 0);
       if (work_.spec.density <= 0.02)
         EXPECT_LT(stats.predicted, rows() * hidden / 2) << "the exact threshold column must let the gate skip neurons";

@@ -97,20 +97,31 @@ struct DecodeStats {
 
 // Which neurons a decode call computes the exact gate of.
 enum class GateSelection {
-  automatic,    // all_neurons where gates_all_neurons(predictor, M), else predicted
+  automatic,    // all_neurons where the backend's AllGatesRule says so, else predicted
   predicted,    // the neurons the predictor keeps for some token of the call
   all_neurons,  // every neuron for every token: no predictor runs and nothing is dropped; all of the
                 // projection is read, as a dense GEMV reads it, but up and down only for active neurons
 };
 
-// Whether M tokens are better served by every gate than by the predictor's: when the neurons it
-// keeps for some token would cover at least kAllGatesCoverage of H (tokens taken as independent,
-// 1 − (1 − predicted_fraction)^M), the gate rows read are nearly all of them anyway, and the
-// predictor's scoring (its cost grows with M) buys almost nothing. Unknown predicted_fraction (0):
-// the predictor. Measured on the H200 (docs/perf-notes.md, "Every gate"): the predictor was faster
-// at a coverage of 62% (M = 1) and below, every gate at 90% and above.
-inline constexpr double kAllGatesCoverage = 0.75;
-bool gates_all_neurons(const PredictorConfig& predictor, int64_t rows);
+// Where a backend serves M tokens better with every gate than with the predictor's (measured, per
+// backend): from min_rows tokens on whatever the predictor, or when the neurons it keeps for some
+// token would cover at least `coverage` of H (tokens taken as independent, 1 − (1 − f)^M with f =
+// predicted_fraction; unknown f (0): never by coverage). With most of H covered, the gate rows read
+// are nearly all of them anyway and the scoring (its cost grows with M) buys almost nothing.
+struct AllGatesRule {
+  int64_t min_rows;
+  double coverage;
+};
+// CPU (every gate as one blocked product over all rows): two-bit-norm's predictor stays faster up to
+// M = 16 (3.5 against 4.5 ms on the standard workload), the predictor lost at 90% coverage and won at
+// 62% (docs/perf-notes.md, "CPU: every gate as a blocked product").
+inline constexpr AllGatesRule kCpuAllGates{kDecodeMaxRows + 1, 0.75};
+// CUDA (the gates by a GEMV or GEMM, then up and down for the active pairs): faster than every
+// predictor from M = 4 on (10.8 against 11.3-15.8 us at M = 4 on the H200's standard workload), and
+// at M <= 2 where the coverage reaches 50% (sign rule: 8.9 against 11.9 us at 62%, M = 1); the
+// predictor is faster at M = 2 and 26% (9.8 against 10.6 us). docs/perf-notes.md, "Every gate first".
+inline constexpr AllGatesRule kCudaAllGates{4, 0.5};
+bool gates_all_neurons(const PredictorConfig& predictor, int64_t rows, const AllGatesRule& rule);
 
 struct DecodeOptions {
   // Also compute the exact gate of every neuron predicted zero, to count `missed` (diagnostics and
@@ -123,7 +134,8 @@ struct DecodeOptions {
 };
 
 // Whether a call computes every gate: gates = all_neurons, or automatic where gates_all_neurons.
-bool computes_all_gates(const DecodeOptions& options, const PredictorConfig& predictor, int64_t rows);
+bool computes_all_gates(const DecodeOptions& options, const PredictorConfig& predictor, int64_t rows,
+                        const AllGatesRule& rule);
 
 // Quality of a predictor on sample inputs, against the exact float64 projection.
 struct PredictorQuality {

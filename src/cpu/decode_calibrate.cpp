@@ -107,14 +107,16 @@ PredictorQuality measure_predictor(const float* x, int64_t rows, const FfnWeight
   return quality_of(score_samples(x, rows, weights, signs, config.kind), config, weights.d_model);
 }
 
-bool gates_all_neurons(const PredictorConfig& predictor, int64_t rows) {
+bool gates_all_neurons(const PredictorConfig& predictor, int64_t rows, const AllGatesRule& rule) {
   const double kept = std::clamp(predictor.predicted_fraction, 0.0, 1.0);
-  return kept > 0.0 && 1.0 - std::pow(1.0 - kept, static_cast<double>(rows)) >= kAllGatesCoverage;
+  return rows >= rule.min_rows ||
+         (kept > 0.0 && 1.0 - std::pow(1.0 - kept, static_cast<double>(rows)) >= rule.coverage);
 }
 
-bool computes_all_gates(const DecodeOptions& options, const PredictorConfig& predictor, int64_t rows) {
+bool computes_all_gates(const DecodeOptions& options, const PredictorConfig& predictor, int64_t rows,
+                        const AllGatesRule& rule) {
   return options.gates == GateSelection::all_neurons ||
-         (options.gates == GateSelection::automatic && gates_all_neurons(predictor, rows));
+         (options.gates == GateSelection::automatic && gates_all_neurons(predictor, rows, rule));
 }
 
 Calibration calibrate_predictor(const float* x, int64_t rows, const FfnWeights& weights, const SignBits& signs,

@@ -271,7 +271,7 @@ DecodeStats decode_ffn(const float* x, int64_t rows, const FfnWeights& weights, 
   const bool sign_rule = predictor.kind == PredictorKind::sign_rule;
   const int32_t max_negatives = sign_rule ? sign_rule_max_negatives(predictor.alpha, cols) : 0;
   const float min_score = static_cast<float>(-predictor.margin);
-  const bool all_gates = computes_all_gates(options, predictor, rows);
+  const bool all_gates = computes_all_gates(options, predictor, rows, kCpuAllGates);
   prepare_rows(x, rows, signs, sign_rule, scratch);  // also refuses a non-finite x
 
   const KernelTable& kernels = active_kernels();

@@ -962,7 +962,7 @@ void DecodeLayer::run(const bf16* x, int64_t rows, const PredictorConfig& predic
   p.accumulate = options.accumulate;
   impl_->all_counted_missed = impl_->all_counted_missed && options.count_missed;
 
-  if (computes_all_gates(options, predictor, rows)) {
+  if (computes_all_gates(options, predictor, rows, kCudaAllGates)) {
     // gates [M, H] = x [M, D] · projectionᵀ: decode_gemv for one row, cuBLASLt for more (H200, the
     // whole call: 12.4 against 13.8 us at M = 1, 14.3 against 19.4 at M = 4; docs/perf-notes.md).
     if (rows == 1 && decode_gemv_supports(1, w.d_model))

@@ -489,7 +489,8 @@ void run_decode_bench(const DecodeBenchOptions& options) {
                                       options.d_model * element_bytes;
         record.extra["predictor"] = to_string(impl.predictor->kind);
         record.extra["gates"] =
-            computes_all_gates({.gates = options.gate_selection()}, *impl.predictor, rows) ? "all" : "predicted";
+            computes_all_gates({.gates = options.gate_selection()}, *impl.predictor, rows,
+                               on_cuda ? kCudaAllGates : kCpuAllGates) ? "all" : "predicted";
         record.extra["alpha"] = impl.predictor->alpha;
         record.extra["margin"] = impl.predictor->margin;
         record.extra["exact_columns"] = signs.exact_columns;
