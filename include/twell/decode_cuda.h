@@ -7,15 +7,15 @@
 // reads the gate rows of the neurons with predicted tokens (and, when they are few, their up and
 // down rows in the same round trip) into shared memory and computes the exact gates of all tokens
 // as one mma per 16 columns and 8 neurons; for the truly active (token, neuron) pairs u = x·up[j]
-// the same way, and y += relu(g)·u·down[j] by vector atomics. When every gate is computed
-// (DecodeOptions::gates) there is nothing to score: two launches, the gates of all M tokens as a
-// plain product (decode_gemv at M = 1, cuBLASLt above) into the layer's own buffer, then a kernel
-// that computes up and down for the active pairs only. The first block to start zeroes y and the
-// others wait for it before their first atomic (with DecodeOptions::accumulate, y is added to as it
-// is). Nothing allocates and nothing waits on the host, so run() can be captured in a CUDA graph;
-// the kernels are programmatic dependent launches (they start while the stream's previous kernel
-// ends). The sum order of y depends on timing: results agree with the reference to fp32 rounding,
-// not bit for bit between runs.
+// the same way, and y += relu(g)·u·down[j] by vector atomics. The first block to start zeroes y and
+// the others wait for it before their first atomic. When every gate is computed
+// (DecodeOptions::gates) there is nothing to score: the gates of all M tokens as a plain product
+// (decode_gemv at M = 1, cuBLASLt above) into the layer's own buffer, then a kernel that computes
+// up and down for the active pairs only (y zeroed by a memset before). With
+// DecodeOptions::accumulate, y is added to as it is. Nothing allocates and nothing waits on the
+// host, so run() can be captured in a CUDA graph; the kernels are programmatic dependent launches
+// (they start while the stream's previous kernel ends). The sum order of y depends on timing:
+// results agree with the reference to fp32 rounding, not bit for bit between runs.
 #pragma once
 
 #include <cuda_runtime.h>
