@@ -784,30 +784,25 @@ void launch(const DecodeParams& p, int tiles, cudaStream_t stream) {
 // when needed).
 template <PredictorKind kKind>
 void allow_shared(size_t shared) {
-  TWELL_CUDA_CHECK(cudaFuncSetAttribute(decode_ffn_kernel<kKind, 1>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
-  TWELL_CUDA_CHECK(cudaFuncSetAttribute(decode_ffn_kernel<kKind, 2>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
+  TWELL_CUDA_CHECK(cudaFuncSetAttribute(decode_ffn_kernel<kKind, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(shared)));
+  TWELL_CUDA_CHECK(cudaFuncSetAttribute(decode_ffn_kernel<kKind, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(shared)));
 }
 
 // The layout for `planes` planes and `tokens` tokens per token tile set, D split in words_per_part
-// words per warp, the row slots filling up to `target` bytes.
-SharedLayout shared_layout(int planes, int tokens, int32_t words, int32_t words_per_part, int target) {
+// words per warp.
+SharedLayout shared_layout(int planes, int tokens, int32_t words, int32_t words_per_part) {
   SharedLayout s{};
   s.partial_scores = planes * words * 64;
   s.squares = s.partial_scores + kParts * planes * kTileNeurons * tokens * 4;
   s.step_one_end = s.squares + kParts * tokens * 4;
   s.slot_stride = words_per_part * kPiecesPerWord * 16 + 16;  // + 16: the 8 slots an mma reads hit distinct banks
   const int dots_bytes = kParts * kMaxSlots * tokens * 4;
-  s.slots = std::clamp((target - dots_bytes) / (kParts * s.slot_stride), 2, kMaxSlots);
+  s.slots = std::clamp((kSharedTarget[tokens / kTokenTile - 1] - dots_bytes) / (kParts * s.slot_stride), 2, kMaxSlots);
   s.partial_dots = kParts * s.slots * s.slot_stride;
   s.step_three_end = s.partial_dots + dots_bytes;
   return s;
-}
-
-// A call's layout: the predictor's planes and slots for `tokens` tokens.
-SharedLayout layout_of(int planes, int tokens, int32_t words, int32_t words_per_part) {
-  return shared_layout(planes, tokens, words, words_per_part, kSharedTarget[tokens / kTokenTile - 1]);
 }
 
 // The exact weights minus the term the planes already count at that column: W[j, c] − scale_j·sign,
@@ -866,10 +861,10 @@ DecodeLayer::DecodeLayer(const DeviceFfnWeights& weights, const SignBits& signs)
   s.words = signs.words_per_row();
   s.words_per_part = (s.words + kParts - 1) / kParts;
   s.tiles = (hidden + kTileNeurons - 1) / kTileNeurons;
-  // The most any launch takes: two planes, one or two token tiles (the slots fill what step 1 leaves).
-  size_t shared = 0;
-  for (int tokens : {kTokenTile, 2 * kTokenTile})
-    shared = std::max(shared, static_cast<size_t>(layout_of(2, tokens, s.words, s.words_per_part).bytes()));
+  // The most any launch takes: two planes, and one or two token tiles (the slots fill what step 1 leaves).
+  const size_t shared =
+      static_cast<size_t>(std::max(shared_layout(2, kTokenTile, s.words, s.words_per_part).bytes(),
+                                   shared_layout(2, 2 * kTokenTile, s.words, s.words_per_part).bytes()));
   TWELL_REQUIRE(shared <= static_cast<size_t>(device_facts().max_smem_per_block_optin) - 8 * 1024,
                 "decode on CUDA: D = {} needs {} bytes of shared memory for the sign planes and two rows of 16 "
                 "neurons, more than this GPU gives a block",
@@ -933,8 +928,8 @@ void DecodeLayer::run(const bf16* x, int64_t rows, const PredictorConfig& predic
   p.hidden = w.d_hidden;
   p.words = s.words;
   p.words_per_part = s.words_per_part;
-  p.shared = layout_of(planes_of(predictor.kind), rows > kTokenTile ? 2 * kTokenTile : kTokenTile, s.words,
-                       s.words_per_part);
+  p.shared = shared_layout(planes_of(predictor.kind), rows > kTokenTile ? 2 * kTokenTile : kTokenTile, s.words,
+                           s.words_per_part);
   p.max_negatives =
       predictor.kind == PredictorKind::sign_rule ? sign_rule_max_negatives(predictor.alpha, w.d_model) : 0;
   p.min_score = static_cast<float>(-predictor.margin);

@@ -52,7 +52,7 @@ struct DecodeBenchOptions {
   // by call. One replays a single layer, whose predictor data stays in the L2 between calls; copies
   // larger than the L2 together make every call find its weights in DRAM, as a model's layers do.
   int weight_copies = 1;
-  // The predictor impls' GateSelection (automatic: all gates where gates_all_neurons says so); the
+  // The predictor impls' GateSelection (automatic: all gates where the backend's AllGatesRule says so); the
   // all-gates impl is timed beside them either way.
   std::string gates = "automatic";
   GateSelection gate_selection() const { return gates == "predicted" ? GateSelection::predicted : GateSelection::automatic; }
@@ -550,8 +550,9 @@ void add_bench_decode(CLI::App& bench) {
       ->capture_default_str()
       ->check(CLI::Range(1, 64));
   command->add_option("--gates", options->gates,
-                      "the predictor impls' gates: automatic (every gate where the predicted neurons of the M tokens "
-                      "would cover three quarters of H) or predicted (always the predictor's)")
+                      "the predictor impls' gates: automatic (every gate where the backend's AllGatesRule finds it "
+                      "faster: by M, or by how much of H the predicted neurons of the M tokens cover) or predicted "
+                      "(always the predictor's)")
       ->capture_default_str()
       ->check(CLI::IsMember({"automatic", "predicted"}));
   command->callback([options] { run_decode_bench(*options); });
