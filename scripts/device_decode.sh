@@ -8,8 +8,10 @@
 # timed in the same call, so every variant has its baseline measured on the same machine.
 # One log ($OUT/device.log), the JSON records and the ncu source tables go to $OUT.
 # lab_* binaries beside them are run by the labs step (each checks, then times).
-# STEPS picks a subset: tests,sanitize,labs,bench,model,ncu (default all but ncu; ncu serializes and
-# locks the clocks, so its durations are for proportions, not for the notes' tables). With several
+# STEPS picks a subset: tests,sanitize,labs,bench,model,ncu,kernel-times (default all but the last two;
+# ncu serializes and locks the clocks, so its durations are for proportions, not for the notes' tables).
+# kernel-times: every kernel's ncu duration (median per name) in bench decode at M = 1, 4, 16, for every
+# twell variant. With several
 # variants the whole set outlasts one 10-minute call: tests,sanitize,bench in one, model in the next
 # (each model run builds the synthetic 2B on the CPU first, about a minute).
 set -o pipefail
@@ -35,7 +37,7 @@ if step sanitize; then
   for tests in "$bin"/twell_tests*; do
     for tool in memcheck racecheck; do
       [[ $tool == racecheck && $tests != */twell_tests ]] && continue
-      (cd build/tests && timeout 150 "$sanitizer" --tool "$tool" --error-exitcode 3 "$tests" --gtest_brief=1 \
+      (cd build/tests && timeout 240 "$sanitizer" --tool "$tool" --error-exitcode 3 "$tests" --gtest_brief=1 \
         --gtest_filter='CudaFfn.DecodeLayerCallsInARow*:*DecodeTest.Accumulate*cuda*:*DecodeTest.AllGates*cuda*:*DecodeGemv*:*DecodeAttention*:CudaModelTest.GraphDecode*' > "/tmp/$tool.log" 2>&1)
       rc=$?
       [[ $rc == 0 ]] || status=1
@@ -46,7 +48,21 @@ if step sanitize; then
 fi
 if [[ $status != 0 ]]; then
   echo "tests or sanitizers failed: no timings" | tee -a "$log"
-  exit $status
+  if step kernel-times; then
+  ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  for twell in "$bin"/twell "$bin"/twell_*; do
+    [[ -x $twell && $twell != *twell_tests* ]] || continue
+    for m in 1 4 16; do
+      table=$out/ncu_times_$(basename "$twell")_m$m.csv
+      timeout 120 "$ncu" --cache-control none --clock-control none --csv --page raw \
+        --metrics gpu__time_duration.sum \
+        "$twell" bench decode --device cuda --m $m --reps 10 --warmup 2 --inputs 2 > "$table" 2> /tmp/ncu.err ||
+        tail -n 3 /tmp/ncu.err | tee -a "$log"
+      python3 "$(dirname "$0")/device/ncu_kernel_times.py" "$table" | tee -a "$log"
+    done
+  done
+fi
+exit $status
 fi
 if step labs; then
   for lab in "$bin"/lab_*; do
@@ -87,6 +103,20 @@ if step ncu; then
       --launch-skip 2 --launch-count 1 "$bin/twell" bench decode --device cuda --m $m --reps 3 --warmup 1 --inputs 2 \
       > "$out/ncu_source_m$m.csv" 2> /tmp/ncu.err
     echo "ncu source M=$m: exit $? ($(wc -c < "$out/ncu_source_m$m.csv") bytes)" | tee -a "$log"
+  done
+fi
+if step kernel-times; then
+  ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  for twell in "$bin"/twell "$bin"/twell_*; do
+    [[ -x $twell && $twell != *twell_tests* ]] || continue
+    for m in 1 4 16; do
+      table=$out/ncu_times_$(basename "$twell")_m$m.csv
+      timeout 120 "$ncu" --cache-control none --clock-control none --csv --page raw \
+        --metrics gpu__time_duration.sum \
+        "$twell" bench decode --device cuda --m $m --reps 10 --warmup 2 --inputs 2 > "$table" 2> /tmp/ncu.err ||
+        tail -n 3 /tmp/ncu.err | tee -a "$log"
+      python3 "$(dirname "$0")/device/ncu_kernel_times.py" "$table" | tee -a "$log"
+    done
   done
 fi
 exit $status
