@@ -11,9 +11,8 @@
 # STEPS picks a subset: tests,sanitize,labs,bench,model,ncu,kernel-times (default all but the last two;
 # ncu serializes and locks the clocks, so its durations are for proportions, not for the notes' tables).
 # kernel-times: every kernel's ncu duration (median per name) in bench decode at M = 1, 4, 16, for every
-# twell variant. With several
-# variants the whole set outlasts one 10-minute call: tests,sanitize,bench in one, model in the next
-# (each model run builds the synthetic 2B on the CPU first, about a minute).
+# twell variant. With several variants the whole set outlasts one 10-minute call: tests,sanitize,bench
+# in one, model in the next (each model run builds the synthetic 2B on the CPU first, about a minute).
 set -o pipefail
 bin=${1:-.carry/decode}
 out=${OUT:-/tmp/device_decode}
@@ -48,21 +47,7 @@ if step sanitize; then
 fi
 if [[ $status != 0 ]]; then
   echo "tests or sanitizers failed: no timings" | tee -a "$log"
-  if step kernel-times; then
-  ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-  for twell in "$bin"/twell "$bin"/twell_*; do
-    [[ -x $twell && $twell != *twell_tests* ]] || continue
-    for m in 1 4 16; do
-      table=$out/ncu_times_$(basename "$twell")_m$m.csv
-      timeout 120 "$ncu" --cache-control none --clock-control none --csv --page raw \
-        --metrics gpu__time_duration.sum \
-        "$twell" bench decode --device cuda --m $m --reps 10 --warmup 2 --inputs 2 > "$table" 2> /tmp/ncu.err ||
-        tail -n 3 /tmp/ncu.err | tee -a "$log"
-      python3 "$(dirname "$0")/device/ncu_kernel_times.py" "$table" | tee -a "$log"
-    done
-  done
-fi
-exit $status
+  exit $status
 fi
 if step labs; then
   for lab in "$bin"/lab_*; do
