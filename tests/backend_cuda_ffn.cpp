@@ -2,13 +2,16 @@
 // reach: rows with more non-zeros than one pass of its shared list holds, more tiles than one window
 // of the block's threads, tiles lost to a too-small spill in the same rows, D at the 8192 limit,
 // a skewed (hot-neuron) workload, and bit-identical results across calls; and the dispatch of
-// SparseFfn (sparse_ffn.cu) when the workload changes between calls. Skipped without a GPU.
+// SparseFfn (sparse_ffn.cu) when the workload changes between calls, and its split paths (y added to,
+// views of neuron ranges). Skipped without a GPU.
+#include <set>
 #include <vector>
 
 #include <gtest/gtest.h>
 
 #include "cuda_test_support.h"
 #include "twell/bench_record.h"
+#include "twell/cpu.h"
 #include "twell/cuda.h"
 #include "twell/error.h"
 #include "twell/reference.h"
@@ -93,6 +96,55 @@ TEST_F(CudaFfnFromTwell, DispatchEndsOnDenseWhereTwellIsSlowAfterTheWorkloadChan
   calls(4096, 0.002, 6);
   calls(4096, 0.5, 8);
   EXPECT_TRUE(ffn.last_call_was_dense());
+}
+
+TEST_F(CudaFfnFromTwell, AccumulateAddsTheFfnToY) {
+  const WorkloadSpec spec{.rows = 37, .d_model = 192, .d_hidden = 1000, .density = 0.05, .seed = 26};
+  const test::WorkloadOnDevice d = test::upload_workload(spec);
+  const std::vector<float> start = make_normal(d.work.x.size(), 1.0, 27);
+  const cuda::DeviceArray<bf16> y = cuda::upload_bf16(start.data(), start.size());
+  cuda::DeviceTwell packed;
+  cuda::gate_to_twell_complete(d.x.get(), spec.rows, d.weights, 128, 4, packed);
+  cuda::ffn_from_twell(d.x.get(), packed, d.weights, y.get(), nullptr, /*accumulate=*/true);
+  std::vector<double> expected = d.y_ref;
+  for (size_t i = 0; i < expected.size(); ++i) expected[i] += start[i];
+  const std::vector<float> got = cuda::download_bf16(y.get(), start.size());
+  EXPECT_LT(relative_l2_error(got.data(), expected.data(), got.size()), 1e-2);
+}
+
+// The split paths of SparseFfn: on weights whose neurons are sorted by activity, each path the
+// dispatch times (TwELL, dense, the neurons [0, f·H) dense and the rest TwELL, for three f, the last
+// tile partial) gives the float64 FFN of the unsorted weights within bf16 tolerance, call by call.
+TEST_F(CudaFfnFromTwell, SplitPathsOnSortedWeightsGiveTheFfn) {
+  const WorkloadSpec spec{.rows = 300, .d_model = 256, .d_hidden = 1100, .density = 0.02, .hot_neurons = 40,
+                          .seed = 28};
+  const test::WorkloadOnDevice d = test::upload_workload(spec);
+  const std::vector<float> calibration = make_activations(512, spec.d_model, 29);
+  const cuda::DeviceFfnWeights sorted = cuda::upload_weights(sort_neurons_by_activity(
+      d.work.weights, cpu::count_active_neurons(calibration.data(), 512, d.work.weights)));
+  cuda::SparseFfn ffn({.tile = 128, .compression = 4, .allow_dense = true, .hot_fractions = {0.125, 0.5, 0.95}});
+  const size_t count = d.work.x.size();
+  const cuda::DeviceArray<bf16> y = cuda::make_device_array<bf16>(count);
+  std::set<int32_t> hot_seen;
+  for (int call = 0; call < 7; ++call) {
+    ASSERT_EQ(cudaMemset(y.get(), 0xff, count * sizeof(bf16)), cudaSuccess);
+    ffn.run(d.x.get(), spec.rows, sorted, y.get());
+    SCOPED_TRACE(testing::Message() << "call " << call << ", hot neurons " << ffn.last_hot_neurons());
+    EXPECT_LT(error_of(d, y), 1e-2);
+    hot_seen.insert(ffn.last_hot_neurons());
+  }
+  EXPECT_EQ(hot_seen, (std::set<int32_t>{0, 128, 512, 1024}));  // whole tiles of 128
+  EXPECT_THROW(cuda::SparseFfn({.hot_fractions = {1.0}}), Error);
+}
+
+TEST_F(CudaFfnFromTwell, ViewsOfNeuronRangesStayInside) {
+  const WorkloadSpec spec{.rows = 2, .d_model = 64, .d_hidden = 300, .density = 0.1, .seed = 30};
+  const test::WorkloadOnDevice d = test::upload_workload(spec);
+  const cuda::DeviceFfnView view = d.weights;
+  EXPECT_EQ(view.neurons(100, 300).d_hidden, 200);
+  EXPECT_EQ(view.neurons(100, 300).down, view.down + 100 * 64);
+  EXPECT_THROW(view.neurons(0, 301), Error);
+  EXPECT_THROW(view.neurons(7, 7), Error);
 }
 
 TEST_F(CudaFfnFromTwell, RejectsModelsWiderThanTheKernel) {

@@ -3,6 +3,7 @@
 // thread count, reuse of one TwellMatrix across shapes, and bad input.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -163,6 +164,40 @@ TEST_F(CpuKernels, SparseFfnMatchesTheDenseReference) {
     cpu::ffn_dense(work.x.data(), rows, work.weights, y_dense.data(), scratch);
     EXPECT_LE(relative_l2_error(y_dense.data(), y_ref.data(), y.size()), 1e-5) << "rows " << rows;
   }
+}
+
+// count_active_neurons against the float64 projection (rows past one chunk of 256, so the chunks
+// add up; a near-zero pre-activation may fall on either side of zero in fp32, hence a slack of 2),
+// then sort_neurons_by_activity: counts descending, the FFN unchanged (float64 on both sides).
+TEST_F(CpuKernels, NeuronsSortedByActivityGiveTheSameFfn) {
+  for (bool gated : {true, false}) {
+    SCOPED_TRACE(testing::Message() << "gated=" << gated);
+    WorkloadSpec spec{.rows = 300, .d_model = 96, .d_hidden = 333, .density = 0.05, .gated = gated,
+                      .hot_neurons = 5, .seed = 41};
+    const Workload work = make_workload(spec);
+    const std::vector<int64_t> counts = cpu::count_active_neurons(work.x.data(), spec.rows, work.weights);
+    const std::vector<double> g = ref::relu_projection(work.x.data(), spec.rows, work.weights);
+    int64_t difference = 0;
+    for (int32_t j = 0; j < spec.d_hidden; ++j) {
+      int64_t want = 0;
+      for (int64_t m = 0; m < spec.rows; ++m) want += g[m * spec.d_hidden + j] > 0;
+      difference += std::abs(counts[j] - want);
+    }
+    EXPECT_LE(difference, 2);
+    EXPECT_GE(counts[0], 290) << "hot neuron 0";
+
+    const FfnWeights sorted = sort_neurons_by_activity(work.weights, counts);
+    const std::vector<int64_t> sorted_counts = cpu::count_active_neurons(work.x.data(), spec.rows, sorted);
+    EXPECT_TRUE(std::is_sorted(sorted_counts.rbegin(), sorted_counts.rend()));
+    EXPECT_NE(sorted.up, work.weights.up) << "the test needs a permutation that moves rows";
+    const std::vector<double> y = ref::ffn_dense(work.x.data(), spec.rows, work.weights);
+    const std::vector<double> y_sorted = ref::ffn_dense(work.x.data(), spec.rows, sorted);
+    double worst = 0;
+    for (size_t i = 0; i < y.size(); ++i) worst = std::max(worst, std::abs(y[i] - y_sorted[i]));
+    EXPECT_LT(worst, 1e-9);
+  }
+  const Workload work = make_workload({.rows = 2, .d_model = 8, .d_hidden = 4, .seed = 42});
+  EXPECT_THROW(sort_neurons_by_activity(work.weights, {1, 2, 3}), Error);
 }
 
 // paired_dots (the decode FFN's gathered rows) on every ISA: each sum bit-identical to dot_block's

@@ -36,6 +36,10 @@ struct DenseScratch {
 };
 void ffn_dense(const float* x, int64_t rows, const FfnWeights& weights, float* y, DenseScratch& scratch);
 
+// For each neuron j, the rows of x [M, D] whose relu projection x·W[j] is positive (OpenBLAS, all
+// threads): what sort_neurons_by_activity orders by.
+std::vector<int64_t> count_active_neurons(const float* x, int64_t rows, const FfnWeights& weights);
+
 // Causal grouped-query attention of n new tokens over the model's KV cache (one sequence), which
 // already holds their keys and values at positions start .. start + n - 1: token t sees positions
 // 0 ..= start + t, and query head h reads kv head h / (n_heads / n_kv_heads). The float64 oracle is

@@ -71,6 +71,22 @@ DeviceArray<bf16> upload_bf16(const float* host, size_t count, cudaStream_t stre
 std::vector<float> download_bf16(const bf16* device, size_t count, cudaStream_t stream = nullptr);
 
 // ---- FFN weights on the device ----------------------------------------------------------------
+// What the batched FFN ops read: FFN weights on the device, not owned. The FFN is a sum over its
+// neurons, so any range of them (the same rows of all three matrices) is an FFN of its own whose
+// outputs add up to the whole: SparseFfn runs the most active neurons densely and the rest sparsely.
+struct DeviceFfnView {
+  int32_t d_model = 0;   // D
+  int32_t d_hidden = 0;  // H (of the view)
+  bool gated = true;
+  const bf16* gate = nullptr;  // [H, D] (null when !gated)
+  const bf16* up = nullptr;    // [H, D]
+  const bf16* down = nullptr;  // [H, D]
+
+  const bf16* relu_projection() const { return gated ? gate : up; }
+  // Neurons [begin, end) of this view.
+  DeviceFfnView neurons(int32_t begin, int32_t end) const;
+};
+
 struct DeviceFfnWeights {
   int32_t d_model = 0;   // D
   int32_t d_hidden = 0;  // H
@@ -81,6 +97,8 @@ struct DeviceFfnWeights {
 
   // The projection whose relu is packed: gate when gated, up otherwise (host_tensors.h).
   const bf16* relu_projection() const { return gated ? gate.get() : up.get(); }
+  DeviceFfnView view() const { return {d_model, d_hidden, gated, gate.get(), up.get(), down.get()}; }
+  operator DeviceFfnView() const { return view(); }  // NOLINT: the ops take views of whole layers too
 };
 // Validates and uploads (every value rounded to bf16); synchronous.
 DeviceFfnWeights upload_weights(const FfnWeights& weights);
@@ -113,17 +131,18 @@ int32_t spill_rows_used(const DeviceTwell& packed, cudaStream_t stream = nullptr
 // (M, H, tile, compression); keeps its spill capacity (at least M·n_tiles/16 rows). Asynchronous:
 // afterwards spill_used may exceed the capacity (an incomplete packing, twell.h); then either call
 // gate_to_twell_complete, or hand it to ffn_from_twell, which recomputes the lost tiles exactly.
-void gate_to_twell(const bf16* x, int64_t rows, const DeviceFfnWeights& weights, int32_t tile,
+void gate_to_twell(const bf16* x, int64_t rows, const DeviceFfnView& weights, int32_t tile,
                    int32_t compression, DeviceTwell& out, cudaStream_t stream = nullptr);
 // As gate_to_twell, then (synchronously) while the spill was too small: grow it and pack again.
-void gate_to_twell_complete(const bf16* x, int64_t rows, const DeviceFfnWeights& weights, int32_t tile,
+void gate_to_twell_complete(const bf16* x, int64_t rows, const DeviceFfnView& weights, int32_t tile,
                             int32_t compression, DeviceTwell& out, cudaStream_t stream = nullptr);
 
 // y [M, D] from the packed relu projection: gated -> up and down only at non-zero gates, non-gated
 // -> down only. A tile whose spill row was lost to a too-small spill (row >= capacity) is recomputed
 // from x and W (the same relu(x·W^T) the packer saw, fp32 accumulation), so no input is ever wrong.
-void ffn_from_twell(const bf16* x, const DeviceTwell& gate, const DeviceFfnWeights& weights, bf16* y,
-                    cudaStream_t stream = nullptr);
+// accumulate: y += the FFN (y's bf16 value is the sum's starting point; one rounding at the end).
+void ffn_from_twell(const bf16* x, const DeviceTwell& gate, const DeviceFfnView& weights, bf16* y,
+                    cudaStream_t stream = nullptr, bool accumulate = false);
 
 // Dense baseline through cuBLASLt: gate GEMM, up GEMM, h = act(g) ⊙ u (one elementwise kernel),
 // down GEMM (non-gated: up GEMM with ReLU epilogue, down GEMM). Holds the GEMM plans, a workspace and
@@ -140,7 +159,7 @@ class DenseFfn {
   DenseFfn& operator=(DenseFfn&&) noexcept;
 
   // Non-gated weights take relu only.
-  void run(const bf16* x, int64_t rows, const DeviceFfnWeights& weights, bf16* y, cudaStream_t stream = nullptr,
+  void run(const bf16* x, int64_t rows, const DeviceFfnView& weights, bf16* y, cudaStream_t stream = nullptr,
            GateActivation activation = {});
   // Device bytes held beyond the inputs and outputs (workspace + intermediates).
   int64_t scratch_bytes() const;
@@ -163,36 +182,50 @@ class DenseFfn {
 // TwELL calls old even when the host runs far ahead (with one slot, a host that stays ahead never saw
 // a density change). While dense is chosen the density is not observed again, and dense stays. The
 // spill grows (for the next call) when a packing overflowed it.
+//
+// Split paths (hot_fractions): the neurons [0, f·H) (rounded to whole TwELL tiles) run through
+// DenseFfn and the rest through TwELL, which adds its part into y. A path of its own per fraction,
+// timed like the others (after TwELL and dense) and taken when fastest. It pays when the weights'
+// neurons are sorted by how often they are active (sort_neurons_by_activity, host_tensors.h): the
+// few neurons active for many tokens then cost a dense GEMM's share instead of two weight rows per
+// non-zero. A split call measures only its sparse part's density, so it does not update the density.
 struct SparseFfnOptions {
   int32_t tile = 128;
   int32_t compression = 4;
-  bool allow_dense = true;  // false: always TwELL (benchmarks of the kernels themselves)
+  bool allow_dense = true;  // false: never the all-dense path (benchmarks of the kernels themselves)
+  std::vector<double> hot_fractions;  // each in (0, 1); empty: no split paths
 };
 class SparseFfn {
  public:
   explicit SparseFfn(SparseFfnOptions options = {});
   ~SparseFfn();
 
-  void run(const bf16* x, int64_t rows, const DeviceFfnWeights& weights, bf16* y, cudaStream_t stream = nullptr);
-  bool last_call_was_dense() const { return last_dense_; }
+  void run(const bf16* x, int64_t rows, const DeviceFfnView& weights, bf16* y, cudaStream_t stream = nullptr);
+  bool last_call_was_dense() const { return last_path_ == kDensePath; }
+  // Neurons the last call ran densely ahead of TwELL (0: plain TwELL, or all-dense).
+  int32_t last_hot_neurons() const { return last_hot_neurons_; }
   const DeviceTwell& packed() const { return packed_; }
   int64_t scratch_bytes() const;
 
  private:
-  struct BucketTiming {
-    float twell_ms = -1;
-    float dense_ms = -1;
-  };
+  // Paths: kTwellPath, kDensePath, then one split per hot fraction.
+  static constexpr int kTwellPath = 0, kDensePath = 1, kFirstSplitPath = 2;
+  int path_count() const { return kFirstSplitPath + static_cast<int>(options_.hot_fractions.size()); }
+  // Neurons a path runs densely ahead of TwELL (0 for TwELL and dense).
+  int32_t hot_neurons(int path, int32_t hidden) const;
+  bool path_available(int path, int32_t hidden) const;
   static int64_t bucket_key(int64_t rows, double nnz_per_row);
-  float timed_run(bool dense, const bf16* x, int64_t rows, const DeviceFfnWeights& weights, bf16* y,
-                  cudaStream_t stream);
-  void run_path(bool dense, const bf16* x, int64_t rows, const DeviceFfnWeights& weights, bf16* y,
-                cudaStream_t stream);
+  float timed_run(int path, const bf16* x, int64_t rows, const DeviceFfnView& weights, bf16* y, cudaStream_t stream);
+  void run_path(int path, const bf16* x, int64_t rows, const DeviceFfnView& weights, bf16* y, cudaStream_t stream);
 
   // One TwELL call's counters, copied from the device at its end.
   struct Counters {
     unsigned long long nnz;
     int32_t spill_used;
+  };
+  struct SlotFacts {
+    int64_t rows = 0;
+    bool all_neurons = true;  // false: a split call's packing (its density is not the layer's)
   };
   static constexpr int kCounterSlots = 4;
   // Reads the newest finished slot (waits for the oldest only when all kCounterSlots are in flight
@@ -202,13 +235,14 @@ class SparseFfn {
   SparseFfnOptions options_;
   DeviceTwell packed_;
   DenseFfn dense_;
-  std::map<int64_t, BucketTiming> timings_;
+  std::map<int64_t, std::vector<float>> timings_;  // per bucket: median ms per path, < 0 unmeasured
   double last_nnz_per_row_ = -1;  // unknown before the first TwELL call's counters arrive
-  bool last_dense_ = false;
+  int last_path_ = kTwellPath;
+  int32_t last_hot_neurons_ = 0;
   cudaEvent_t start_ = nullptr, stop_ = nullptr;
   Counters* counters_host_ = nullptr;             // pinned [kCounterSlots]
   cudaEvent_t counters_ready_[kCounterSlots] = {};  // recorded after each slot's copy
-  int64_t slot_rows_[kCounterSlots] = {};
+  SlotFacts slot_facts_[kCounterSlots] = {};
   int64_t twell_calls_ = 0;  // TwELL calls issued; call c uses slot c % kCounterSlots
   int64_t newest_read_ = -1;  // the newest call whose counters were read
 };

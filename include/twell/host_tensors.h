@@ -35,6 +35,11 @@ struct FfnWeights {
 // Validates sizes; throws twell::Error naming the first mismatch.
 void validate(const FfnWeights& weights);
 
+// The same FFN with its neurons (rows of gate, up and down alike) in decreasing order of
+// active_counts[j], ties in index order: the neurons most often active come first, so that a prefix
+// of them can run densely (cuda::SparseFfnOptions::hot_fractions). Counts: cpu::count_active_neurons.
+FfnWeights sort_neurons_by_activity(const FfnWeights& weights, const std::vector<int64_t>& active_counts);
+
 struct TwellMatrix {
   TwellShape shape;
   std::vector<TwellSlot> slots;    // [M, n_tiles, S]

@@ -1,5 +1,8 @@
 #include "twell/host_tensors.h"
 
+#include <algorithm>
+#include <numeric>
+
 #include "twell/error.h"
 
 namespace twell {
@@ -18,6 +21,25 @@ void validate(const FfnWeights& weights) {
   else
     TWELL_REQUIRE(weights.gate.empty(), "a non-gated FfnWeights must have no gate, got {} floats",
                   weights.gate.size());
+}
+
+FfnWeights sort_neurons_by_activity(const FfnWeights& weights, const std::vector<int64_t>& active_counts) {
+  validate(weights);
+  TWELL_REQUIRE(active_counts.size() == static_cast<size_t>(weights.d_hidden),
+                "sort_neurons_by_activity: {} counts for H = {} neurons", active_counts.size(), weights.d_hidden);
+  std::vector<int32_t> order(static_cast<size_t>(weights.d_hidden));
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return active_counts[a] > active_counts[b]; });
+  FfnWeights sorted = weights;
+  const size_t d = static_cast<size_t>(weights.d_model);
+  const auto permute = [&](const std::vector<float>& from, std::vector<float>& to) {
+    for (size_t j = 0; j < order.size(); ++j)
+      std::copy_n(from.begin() + static_cast<ptrdiff_t>(order[j] * d), d, to.begin() + static_cast<ptrdiff_t>(j * d));
+  };
+  if (weights.gated) permute(weights.gate, sorted.gate);
+  permute(weights.up, sorted.up);
+  permute(weights.down, sorted.down);
+  return sorted;
 }
 
 }  // namespace twell

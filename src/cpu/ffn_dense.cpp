@@ -84,4 +84,27 @@ void ffn_dense(const float* x, int64_t rows, const FfnWeights& weights, float* y
   }
 }
 
+std::vector<int64_t> count_active_neurons(const float* x, int64_t rows, const FfnWeights& weights) {
+  validate(weights);
+  TWELL_REQUIRE(x != nullptr, "count_active_neurons: x must not be null");
+  TWELL_REQUIRE(rows >= 1, "count_active_neurons: rows (M) must be >= 1, got {}", rows);
+  const int32_t d = weights.d_model, h = weights.d_hidden;
+  constexpr int64_t kChunkRows = 256;  // bounds the [rows, H] projection held at once
+  std::vector<float> projection(static_cast<size_t>(std::min(rows, kChunkRows)) * h);
+  std::vector<int64_t> counts(static_cast<size_t>(h), 0);
+  const int threads = num_threads();
+  set_blas_threads(1);
+  for (int64_t first = 0; first < rows; first += kChunkRows) {
+    const int64_t chunk = std::min(kChunkRows, rows - first);
+#pragma omp parallel num_threads(threads)
+    {
+      const Slice slice = slice_of(omp_get_thread_num(), threads, h);
+      project(x + first * d, chunk, weights.relu_projection().data(), h, d, projection.data(), slice);
+      for (int64_t m = 0; m < chunk; ++m)
+        for (int32_t j = slice.begin; j < slice.end; ++j) counts[j] += projection[m * h + j] > 0.0f;
+    }
+  }
+  return counts;
+}
+
 }  // namespace twell::cpu

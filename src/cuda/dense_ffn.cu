@@ -57,7 +57,7 @@ int64_t DenseFfn::scratch_bytes() const {
   return impl_->gemm.workspace_bytes() + static_cast<int64_t>(impl_->gate.bytes() + impl_->up.bytes());
 }
 
-void DenseFfn::run(const bf16* x, int64_t rows, const DeviceFfnWeights& weights, bf16* y, cudaStream_t stream,
+void DenseFfn::run(const bf16* x, int64_t rows, const DeviceFfnView& weights, bf16* y, cudaStream_t stream,
                    GateActivation activation) {
   TWELL_REQUIRE(rows >= 1, "DenseFfn: rows must be >= 1, got {}", rows);
   TWELL_REQUIRE(weights.gated || activation.kind == FfnActivation::relu,
@@ -66,11 +66,11 @@ void DenseFfn::run(const bf16* x, int64_t rows, const DeviceFfnWeights& weights,
   const int64_t hidden_count = rows * h;
   impl_->up.resize(hidden_count);
   RowMajorGemm& gemm = impl_->gemm;
-  gemm.run(rows, h, d, {x, d, false}, {weights.up.get(), d, true}, impl_->up.data(), h, GemmOutput::bf16, 0.0f, stream,
+  gemm.run(rows, h, d, {x, d, false}, {weights.up, d, true}, impl_->up.data(), h, GemmOutput::bf16, 0.0f, stream,
            weights.gated ? GemmEpilogue::none : GemmEpilogue::relu);
   if (weights.gated) {
     impl_->gate.resize(hidden_count);
-    gemm.run(rows, h, d, {x, d, false}, {weights.gate.get(), d, true}, impl_->gate.data(), h, GemmOutput::bf16, 0.0f,
+    gemm.run(rows, h, d, {x, d, false}, {weights.gate, d, true}, impl_->gate.data(), h, GemmOutput::bf16, 0.0f,
              stream);
     const int threads = 256;
     const auto blocks = static_cast<unsigned>(std::min<int64_t>((hidden_count / 2 + threads - 1) / threads + 1,
@@ -92,7 +92,7 @@ void DenseFfn::run(const bf16* x, int64_t rows, const DeviceFfnWeights& weights,
     TWELL_CUDA_CHECK_LAUNCH();
   }
   // y [M, D] = h [M, H] · Wd [H, D]
-  gemm.run(rows, d, h, {impl_->up.data(), h, false}, {weights.down.get(), d, false}, y, d, GemmOutput::bf16, 0.0f,
+  gemm.run(rows, d, h, {impl_->up.data(), h, false}, {weights.down, d, false}, y, d, GemmOutput::bf16, 0.0f,
            stream);
 }
 

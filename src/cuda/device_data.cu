@@ -109,6 +109,13 @@ std::vector<float> download_bf16(const bf16* device, size_t count, cudaStream_t 
   return values;
 }
 
+DeviceFfnView DeviceFfnView::neurons(int32_t begin, int32_t end) const {
+  TWELL_REQUIRE(0 <= begin && begin < end && end <= d_hidden, "DeviceFfnView: neurons [{}, {}) outside [0, {})", begin,
+                end, d_hidden);
+  const int64_t offset = int64_t{begin} * d_model;
+  return {d_model, end - begin, gated, gated ? gate + offset : nullptr, up + offset, down + offset};
+}
+
 DeviceFfnWeights upload_weights(const FfnWeights& weights) {
   validate(weights);
   TWELL_REQUIRE(weights.d_model % 64 == 0, "CUDA FFN: d_model must be a multiple of 64, got {}", weights.d_model);

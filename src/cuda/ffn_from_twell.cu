@@ -1,6 +1,7 @@
 // Up+down FFN from the packed gate (TwELL):
 //   gated:     y[m] = Σ_j g[m,j] · (x[m]·Wu[j]) · Wd[j]     non-gated: y[m] = Σ_j g[m,j] · Wd[j]
-// over the non-zeros j of row m; fp32 accumulation; y written once as bf16.
+// over the non-zeros j of row m (added to y's own value when accumulating); fp32 accumulation; y
+// written once as bf16.
 //
 // One fused kernel, one block per row, in the shape of the training row kernels (train_sparse.cu),
 // which stream weight rows out of L2 at ~9 TB/s: thread v owns the 16-byte vector v of y (8 columns),
@@ -42,6 +43,7 @@ struct FfnFromTwellParams {
   const uint16_t* spill;           // [spill_capacity, T]
   int64_t spill_capacity;
   uint16_t* y;                     // [M, D] bf16
+  bool accumulate;                 // y += the FFN
   int32_t d_model;
   int32_t cols;
   int32_t tile;
@@ -175,6 +177,14 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ffn_from_twell_kernel(FfnFromT
   for (int i = threadIdx.x; i < vectors; i += blockDim.x)
     x_shared[i] = load_vector(p.x + row * p.d_model + 8 * i);
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  if (p.accumulate && v < vectors) {
+    const uint4 start = *reinterpret_cast<const uint4*>(p.y + row * p.d_model + 8 * v);
+    const uint32_t words[4] = {start.x, start.y, start.z, start.w};
+    for (int i = 0; i < 4; ++i) {
+      acc[2 * i] = bf16_low(words[i]);
+      acc[2 * i + 1] = bf16_high(words[i]);
+    }
+  }
 
   for (int32_t first_tile = 0; first_tile < p.n_tiles; first_tile += blockDim.x) {
     // ---- 1. this thread's tile: how many entries it lists, and where ----
@@ -256,8 +266,8 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ffn_from_twell_kernel(FfnFromT
 
 }  // namespace
 
-void ffn_from_twell(const bf16* x, const DeviceTwell& gate, const DeviceFfnWeights& weights, bf16* y,
-                    cudaStream_t stream) {
+void ffn_from_twell(const bf16* x, const DeviceTwell& gate, const DeviceFfnView& weights, bf16* y,
+                    cudaStream_t stream, bool accumulate) {
   TWELL_REQUIRE(!gate.empty(), "ffn_from_twell: the packed gate is empty");
   TWELL_REQUIRE(gate.shape.cols == weights.d_hidden, "ffn_from_twell: gate has {} columns, weights have H = {}",
                 gate.shape.cols, weights.d_hidden);
@@ -270,13 +280,14 @@ void ffn_from_twell(const bf16* x, const DeviceTwell& gate, const DeviceFfnWeigh
   FfnFromTwellParams params{};
   params.x = reinterpret_cast<const uint16_t*>(x);
   params.relu_weight = reinterpret_cast<const uint16_t*>(weights.relu_projection());
-  params.up = reinterpret_cast<const uint16_t*>(weights.up.get());
-  params.down = reinterpret_cast<const uint16_t*>(weights.down.get());
+  params.up = reinterpret_cast<const uint16_t*>(weights.up);
+  params.down = reinterpret_cast<const uint16_t*>(weights.down);
   params.slots = gate.slots.get();
   params.tile_nnz = gate.tile_nnz.get();
   params.spill = reinterpret_cast<const uint16_t*>(gate.spill.get());
   params.spill_capacity = gate.spill_capacity;
   params.y = reinterpret_cast<uint16_t*>(y);
+  params.accumulate = accumulate;
   params.d_model = weights.d_model;
   params.cols = gate.shape.cols;
   params.tile = gate.shape.tile;

@@ -68,7 +68,7 @@ void launch_gate_to_twell(const bf16* x, int64_t rows, const bf16* weight, int32
 
 }  // namespace
 
-void gate_to_twell(const bf16* x, int64_t rows, const DeviceFfnWeights& weights, int32_t tile, int32_t compression,
+void gate_to_twell(const bf16* x, int64_t rows, const DeviceFfnView& weights, int32_t tile, int32_t compression,
                    DeviceTwell& out, cudaStream_t stream) {
   TWELL_REQUIRE(rows >= 1 && rows <= (int64_t{1} << 30), "gate_to_twell: rows must be in [1, 2^30], got {}", rows);
   TWELL_REQUIRE(weights.d_model % 64 == 0, "gate_to_twell: d_model must be a multiple of 64, got {}", weights.d_model);
@@ -96,7 +96,7 @@ void gate_to_twell(const bf16* x, int64_t rows, const DeviceFfnWeights& weights,
   }
 }
 
-void gate_to_twell_complete(const bf16* x, int64_t rows, const DeviceFfnWeights& weights, int32_t tile,
+void gate_to_twell_complete(const bf16* x, int64_t rows, const DeviceFfnView& weights, int32_t tile,
                             int32_t compression, DeviceTwell& out, cudaStream_t stream) {
   gate_to_twell(x, rows, weights, tile, compression, out, stream);
   for (int32_t used = spill_rows_used(out, stream); used > out.spill_capacity; used = spill_rows_used(out, stream)) {

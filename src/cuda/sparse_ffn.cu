@@ -1,16 +1,20 @@
 // SparseFfn: the FFN a model calls, TwELL or dense per call (rule in include/twell/cuda.h).
 #include <algorithm>
 #include <cmath>
+#include <limits>
+#include <utility>
 
 #include "cuda/cuda_utils.h"
 #include "twell/cuda.h"
 
 namespace twell::cuda {
 
-SparseFfn::SparseFfn(SparseFfnOptions options) : options_(options) {
-  TWELL_REQUIRE(twell_tile_supported(options.tile), "SparseFfn: tile must be 128 or 256, got {}", options.tile);
-  TWELL_REQUIRE(twell_compression_supported(options.compression), "SparseFfn: compression must be 2, 4 or 8, got {}",
-                options.compression);
+SparseFfn::SparseFfn(SparseFfnOptions options) : options_(std::move(options)) {
+  for (double fraction : options_.hot_fractions)
+    TWELL_REQUIRE(fraction > 0 && fraction < 1, "SparseFfn: hot fractions must lie in (0, 1), got {}", fraction);
+  TWELL_REQUIRE(twell_tile_supported(options_.tile), "SparseFfn: tile must be 128 or 256, got {}", options_.tile);
+  TWELL_REQUIRE(twell_compression_supported(options_.compression), "SparseFfn: compression must be 2, 4 or 8, got {}",
+                options_.compression);
   TWELL_CUDA_CHECK(cudaEventCreate(&start_));
   TWELL_CUDA_CHECK(cudaEventCreate(&stop_));
   TWELL_CUDA_CHECK(cudaMallocHost(&counters_host_, kCounterSlots * sizeof *counters_host_));
@@ -48,7 +52,8 @@ void SparseFfn::read_counters() {
     if (state == cudaErrorNotReady) continue;
     TWELL_CUDA_CHECK(state);
     const Counters counters = counters_host_[slot];
-    last_nnz_per_row_ = static_cast<double>(counters.nnz) / static_cast<double>(slot_rows_[slot]);
+    if (slot_facts_[slot].all_neurons)
+      last_nnz_per_row_ = static_cast<double>(counters.nnz) / static_cast<double>(slot_facts_[slot].rows);
     if (counters.spill_used > packed_.spill_capacity && !packed_.empty())
       reserve(packed_, packed_.shape, counters.spill_used + counters.spill_used / 4);
     newest_read_ = call;
@@ -56,15 +61,30 @@ void SparseFfn::read_counters() {
   }
 }
 
-void SparseFfn::run_path(bool dense, const bf16* x, int64_t rows, const DeviceFfnWeights& weights, bf16* y,
+int32_t SparseFfn::hot_neurons(int path, int32_t hidden) const {
+  if (path < kFirstSplitPath) return 0;
+  const double tiles = options_.hot_fractions[static_cast<size_t>(path - kFirstSplitPath)] * hidden / options_.tile;
+  return static_cast<int32_t>(std::lround(tiles)) * options_.tile;
+}
+
+bool SparseFfn::path_available(int path, int32_t hidden) const {
+  if (path == kDensePath) return options_.allow_dense;
+  const int32_t hot = hot_neurons(path, hidden);
+  return path == kTwellPath || (hot > 0 && hot < hidden);
+}
+
+void SparseFfn::run_path(int path, const bf16* x, int64_t rows, const DeviceFfnView& weights, bf16* y,
                          cudaStream_t stream) {
-  if (dense) {
+  if (path == kDensePath) {
     dense_.run(x, rows, weights, y, stream);
     return;
   }
+  const int32_t hot = hot_neurons(path, weights.d_hidden);
+  if (hot > 0) dense_.run(x, rows, weights.neurons(0, hot), y, stream);
+  const DeviceFfnView sparse = weights.neurons(hot, weights.d_hidden);
   read_counters();  // also frees this call's slot
-  gate_to_twell(x, rows, weights, options_.tile, options_.compression, packed_, stream);
-  ffn_from_twell(x, packed_, weights, y, stream);
+  gate_to_twell(x, rows, sparse, options_.tile, options_.compression, packed_, stream);
+  ffn_from_twell(x, packed_, sparse, y, stream, /*accumulate=*/hot > 0);
   const int slot = static_cast<int>(twell_calls_ % kCounterSlots);
   Counters* counters = counters_host_ + slot;
   TWELL_CUDA_CHECK(
@@ -72,19 +92,19 @@ void SparseFfn::run_path(bool dense, const bf16* x, int64_t rows, const DeviceFf
   TWELL_CUDA_CHECK(cudaMemcpyAsync(&counters->spill_used, packed_.spill_used.get(), sizeof counters->spill_used,
                                    cudaMemcpyDeviceToHost, stream));
   TWELL_CUDA_CHECK(cudaEventRecord(counters_ready_[slot], stream));
-  slot_rows_[slot] = rows;
+  slot_facts_[slot] = {rows, hot == 0};
   ++twell_calls_;
 }
 
-float SparseFfn::timed_run(bool dense, const bf16* x, int64_t rows, const DeviceFfnWeights& weights, bf16* y,
+float SparseFfn::timed_run(int path, const bf16* x, int64_t rows, const DeviceFfnView& weights, bf16* y,
                            cudaStream_t stream) {
   // The untimed first run takes the one-time costs (plans, allocations, kernel attributes) out.
   constexpr int kTimedRuns = 5;
-  run_path(dense, x, rows, weights, y, stream);
+  run_path(path, x, rows, weights, y, stream);
   float ms[kTimedRuns];
   for (float& run_ms : ms) {
     TWELL_CUDA_CHECK(cudaEventRecord(start_, stream));
-    run_path(dense, x, rows, weights, y, stream);
+    run_path(path, x, rows, weights, y, stream);
     TWELL_CUDA_CHECK(cudaEventRecord(stop_, stream));
     TWELL_CUDA_CHECK(cudaEventSynchronize(stop_));
     TWELL_CUDA_CHECK(cudaEventElapsedTime(&run_ms, start_, stop_));
@@ -93,31 +113,46 @@ float SparseFfn::timed_run(bool dense, const bf16* x, int64_t rows, const Device
   return ms[kTimedRuns / 2];
 }
 
-void SparseFfn::run(const bf16* x, int64_t rows, const DeviceFfnWeights& weights, bf16* y, cudaStream_t stream) {
-  if (!options_.allow_dense) {
-    run_path(false, x, rows, weights, y, stream);
-    last_dense_ = false;
+void SparseFfn::run(const bf16* x, int64_t rows, const DeviceFfnView& weights, bf16* y, cudaStream_t stream) {
+  const auto finish = [&](int path) {
+    last_path_ = path;
+    last_hot_neurons_ = hot_neurons(path, weights.d_hidden);
+  };
+  if (!options_.allow_dense && options_.hot_fractions.empty()) {
+    run_path(kTwellPath, x, rows, weights, y, stream);
+    finish(kTwellPath);
     return;
   }
+  const auto bucket = [&]() -> std::vector<float>& {
+    std::vector<float>& ms = timings_[bucket_key(rows, last_nnz_per_row_)];
+    if (ms.empty()) ms.assign(static_cast<size_t>(path_count()), -1.0f);
+    return ms;
+  };
   read_counters();
-  BucketTiming& timing = timings_[bucket_key(rows, last_nnz_per_row_)];
-  if (timing.twell_ms < 0) {
-    const float twell_ms = timed_run(false, x, rows, weights, y, stream);
+  std::vector<float>& timing = bucket();
+  if (timing[kTwellPath] < 0) {
+    const float twell_ms = timed_run(kTwellPath, x, rows, weights, y, stream);
     // The key came from an earlier call's density; the time belongs to the bucket of the density
     // this call had (else a time measured at 0.5% could stand for 2% after the input changed).
     read_counters();  // the timed runs synchronized: the newest slot is this call's
-    BucketTiming& measured = timings_[bucket_key(rows, last_nnz_per_row_)];
-    if (measured.twell_ms < 0) measured.twell_ms = twell_ms;
-    last_dense_ = false;
+    std::vector<float>& measured = bucket();
+    if (measured[kTwellPath] < 0) measured[kTwellPath] = twell_ms;
+    finish(kTwellPath);
     return;
   }
-  if (timing.dense_ms < 0) {
-    timing.dense_ms = timed_run(true, x, rows, weights, y, stream);
-    last_dense_ = true;
+  for (int path = kDensePath; path < path_count(); ++path) {
+    if (timing[path] >= 0) continue;
+    if (!path_available(path, weights.d_hidden)) {
+      timing[path] = std::numeric_limits<float>::infinity();
+      continue;
+    }
+    timing[path] = timed_run(path, x, rows, weights, y, stream);
+    finish(path);
     return;
   }
-  last_dense_ = timing.dense_ms < timing.twell_ms;
-  run_path(last_dense_, x, rows, weights, y, stream);
+  const int best = static_cast<int>(std::min_element(timing.begin(), timing.end()) - timing.begin());
+  run_path(best, x, rows, weights, y, stream);
+  finish(best);
 }
 
 }  // namespace twell::cuda

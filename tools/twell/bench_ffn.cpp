@@ -271,6 +271,12 @@ void run_ffn_bench(const FfnBenchOptions& options) {
         if (record.extra.contains("gate_ms") && record.extra.contains("ffn_from_twell_ms"))
           fmt::print("{:>35} gate {:.3f} ms, up+down {:.3f} ms (each alone)\n", "", record.extra["gate_ms"].get<double>(),
                      record.extra["ffn_from_twell_ms"].get<double>());
+        if (record.extra.contains("hot_neurons"))
+          fmt::print("{:>35} path: {}\n", "",
+                     record.extra["dense"].get<bool>() ? std::string("dense")
+                     : record.extra["hot_neurons"].get<int>() == 0
+                         ? std::string("TwELL")
+                         : fmt::format("neurons [0, {}) dense, the rest TwELL", record.extra["hot_neurons"].get<int>()));
         std::fflush(stdout);
         records.push_back(std::move(record));
       }

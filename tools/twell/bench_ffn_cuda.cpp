@@ -2,7 +2,12 @@
 //   dense       cuBLASLt bf16 GEMMs (cuda::DenseFfn)
 //   twell       gate GEMM -> TwELL, then the fused up+down kernel (always sparse); its record also
 //               gives each kernel's median time alone (extra gate_ms, ffn_from_twell_ms)
-//   twell_auto  cuda::SparseFfn: TwELL or dense per call (its rule in include/twell/cuda.h)
+//   twell_split cuda::SparseFfn without its all-dense path: TwELL, or the neurons most often active
+//               (a fraction of H in kHotFractions) through cuBLASLt and the rest through TwELL, the
+//               fastest per call; on weights sorted by activity on calibration rows apart from the
+//               timed ones (extra: hot_neurons of the path taken)
+//   twell_auto  cuda::SparseFfn: TwELL, a split, or dense per call (its rule in include/twell/cuda.h),
+//               on the sorted weights (extra: hot_neurons, dense)
 // Each run is timed with CUDA events around the call on the default stream, after cuda::L2Evictor has
 // emptied the L2 (the driver interleaves the implementations: else one would find the weights the
 // previous one left there).
@@ -14,6 +19,7 @@
 
 #include "bench_ffn.h"
 #include "twell/bench_record.h"
+#include "twell/cpu.h"
 #include "twell/cuda.h"
 #include "twell/error.h"
 
@@ -48,12 +54,20 @@ class EventTimer {
   cuda::L2Evictor evictor_;
 };
 
+// The workload's weights with their neurons sorted by how many of 1024 calibration rows (fresh
+// activations, not among the timed input sets) activate each.
+FfnWeights sorted_by_activity(const Workload& work) {
+  constexpr int64_t kCalibrationRows = 1024;
+  const std::vector<float> x = make_activations(kCalibrationRows, work.spec.d_model, work.spec.seed + 4242);
+  return sort_neurons_by_activity(work.weights, cpu::count_active_neurons(x.data(), kCalibrationRows, work.weights));
+}
+
 // Device copies of the workload: weights, the rotated inputs, y.
 class CudaImpl : public FfnBenchImpl {
  public:
   void prepare(const Workload& work, const std::vector<std::vector<float>>& inputs) override {
     rows_ = work.spec.rows;
-    weights_ = cuda::upload_weights(work.weights);
+    weights_ = cuda::upload_weights(sorts_neurons() ? sorted_by_activity(work) : work.weights);
     inputs_.clear();
     for (const std::vector<float>& x : inputs) inputs_.push_back(cuda::upload_bf16(x.data(), x.size()));
     y_count_ = static_cast<size_t>(rows_) * work.spec.d_model;
@@ -74,6 +88,7 @@ class CudaImpl : public FfnBenchImpl {
 
  protected:
   virtual void run(const bf16* x) = 0;
+  virtual bool sorts_neurons() const { return false; }
   int64_t rows_ = 0;
   cuda::DeviceFfnWeights weights_;
   std::vector<cuda::DeviceArray<bf16>> inputs_;
@@ -92,16 +107,28 @@ class CudaDense : public CudaImpl {
   cuda::DenseFfn dense_;
 };
 
+// Split paths tried by twell_split and twell_auto: these fractions of H run densely.
+const std::vector<double> kHotFractions = {0.125, 0.25, 0.375, 0.5};
+
 class CudaTwell : public CudaImpl {
  public:
-  CudaTwell(int32_t tile, int32_t compression, bool allow_dense)
-      : ffn_({.tile = tile, .compression = compression, .allow_dense = allow_dense}), allow_dense_(allow_dense) {}
-  std::string name() const override { return allow_dense_ ? "twell_auto" : "twell"; }
+  enum class Kind { twell, split, automatic };
+  CudaTwell(int32_t tile, int32_t compression, Kind kind)
+      : ffn_({.tile = tile,
+              .compression = compression,
+              .allow_dense = kind == Kind::automatic,
+              .hot_fractions = kind == Kind::twell ? std::vector<double>{} : kHotFractions}),
+        kind_(kind) {}
+  std::string name() const override {
+    return kind_ == Kind::twell ? "twell" : kind_ == Kind::split ? "twell_split" : "twell_auto";
+  }
   int64_t peak_bytes() const override { return ffn_.scratch_bytes(); }
-  // The two kernels of the TwELL path alone. The up+down kernel reads the packing of the input it is
-  // given, so each of its calls follows an untimed packing of the same input.
+  // twell: the two kernels of the TwELL path alone. The up+down kernel reads the packing of the input
+  // it is given, so each of its calls follows an untimed packing of the same input. The others: the
+  // path the last call took.
   nlohmann::json extra_measurements(int reps) override {
-    if (allow_dense_) return nlohmann::json::object();
+    if (kind_ != Kind::twell)
+      return {{"hot_neurons", ffn_.last_hot_neurons()}, {"dense", ffn_.last_call_was_dense()}};
     cuda::DeviceTwell packed;
     const int32_t tile = ffn_.packed().shape.tile, compression = ffn_.packed().shape.compression;
     cuda::gate_to_twell_complete(inputs_[0].get(), rows_, weights_, tile, compression, packed);
@@ -118,8 +145,9 @@ class CudaTwell : public CudaImpl {
 
  private:
   void run(const bf16* x) override { ffn_.run(x, rows_, weights_, y_.get()); }
+  bool sorts_neurons() const override { return kind_ != Kind::twell; }
   cuda::SparseFfn ffn_;
-  bool allow_dense_;
+  Kind kind_;
 };
 
 }  // namespace
@@ -129,8 +157,8 @@ FfnBenchDevice make_cuda_ffn_bench(const FfnBenchOptions& options) {
   FfnBenchDevice device;
   device.model = cuda::device_name();
   device.impls.push_back(std::make_unique<CudaDense>());
-  device.impls.push_back(std::make_unique<CudaTwell>(options.tile, options.compression, false));
-  device.impls.push_back(std::make_unique<CudaTwell>(options.tile, options.compression, true));
+  for (CudaTwell::Kind kind : {CudaTwell::Kind::twell, CudaTwell::Kind::split, CudaTwell::Kind::automatic})
+    device.impls.push_back(std::make_unique<CudaTwell>(options.tile, options.compression, kind));
   return device;
 }
 
