@@ -45,8 +45,8 @@ if step sanitize; then
   sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
   # racecheck without cuBLASLt (its own kernels report hazards of their own).
   for tool in memcheck racecheck; do
-    filter='CudaFfnFromTwell.HotNeurons*:CudaFfnFromTwell.Widest*:CudaFfn.TilesLost*:CudaFfn.SparseError*'
-    [[ $tool == racecheck ]] && filter='CudaFfnFromTwell.Widest*:CudaFfn.TilesLost*'
+    filter='CudaFfnFromTwell.HotNeurons*:CudaFfnFromTwell.Widest*:CudaFfnFromTwell.Accumulate*:CudaFfnFromTwell.SplitPaths*:CudaFfn.TilesLost*:CudaFfn.SparseError*'
+    [[ $tool == racecheck ]] && filter='CudaFfnFromTwell.Widest*:CudaFfnFromTwell.Accumulate*:CudaFfn.TilesLost*'
     "$sanitizer" --tool "$tool" --error-exitcode 3 "$bin/twell_tests" --gtest_brief=1 --gtest_filter="$filter" \
       > "/tmp/$tool.log" 2>&1
     rc=$?
