@@ -4,7 +4,8 @@
 #   mkdir -p .carry/kern && cp build-kern/lab/cuda/lab_twell_ffn build-kern/tests/twell_tests \
 #     build-kern/tools/twell .carry/kern/ && strip .carry/kern/* && gzip -9 .carry/kern/*
 #   run: scripts/device_ffn.sh .carry/kern   (carry [".carry/kern"])
-# One log ($OUT/device.log) and the JSON records go to $OUT (at most 8 files come back). STEPS picks a subset: check,tests,bench,sanitize,grid (default all).
+# One log ($OUT/device.log) and the JSON records go to $OUT (at most 8 files come back). STEPS picks a
+# subset: check,tests,bench,sanitize,grid,train (default all but train).
 # Other lab_twell_ffn_* binaries beside lab_twell_ffn (variants built for a comparison) are checked
 # and timed (M = 16384, 0.5% and 2%) too.
 set -o pipefail
@@ -21,7 +22,8 @@ if step check; then
 fi
 if step tests; then
   # The harness's cuda backend over its sweep, the CUDA FFN tests, the fused kernel's own tests.
-  "$bin/twell_tests" --gtest_brief=1 --gtest_filter='*/cuda*:CudaFfn.*:CudaFfnFromTwell.*' > /tmp/tests.log 2>&1 ||
+  "$bin/twell_tests" --gtest_brief=1 --gtest_filter="*/cuda*:CudaFfn.*:CudaFfnFromTwell.*${TESTS_EXTRA:+:$TESTS_EXTRA}" \
+    > /tmp/tests.log 2>&1 ||
     status=1
   tail -n 40 /tmp/tests.log | tee -a "$log"
 fi
@@ -46,6 +48,7 @@ if step sanitize; then
   # racecheck without cuBLASLt (its own kernels report hazards of their own).
   for tool in memcheck racecheck; do
     filter='CudaFfnFromTwell.HotNeurons*:CudaFfnFromTwell.Widest*:CudaFfnFromTwell.Accumulate*:CudaFfnFromTwell.SplitPaths*:CudaFfn.TilesLost*:CudaFfn.SparseError*'
+    [[ $tool == memcheck && -n $SANITIZE_EXTRA ]] && filter+=":$SANITIZE_EXTRA"
     [[ $tool == racecheck ]] && filter='CudaFfnFromTwell.Widest*:CudaFfnFromTwell.Accumulate*:CudaFfn.TilesLost*'
     "$sanitizer" --tool "$tool" --error-exitcode 3 "$bin/twell_tests" --gtest_brief=1 --gtest_filter="$filter" \
       > "/tmp/$tool.log" 2>&1
@@ -58,12 +61,17 @@ fi
 if step grid; then
   # twell bench ffn --device cuda over the issue's M and densities at (2048, 5632), then the other
   # (D, H) of the issue (GRID_SHAPES, DxH words) at M = 4096 and 16384 (GRID_SHAPE_M).
-  "$bin/twell" bench ffn --device cuda --m 1,16,256,4096,16384,65536 --d 2048 --h 5632 --density 0.005,0.02,0.1 \
+  "$bin/twell" bench ffn --device cuda --m ${GRID_M:-1,16,256,4096,16384,65536} --d 2048 --h 5632 --density 0.005,0.02,0.1 \
     --reps 30 --json "$out/grid_2048_5632.json" 2>&1 | tee -a "$log" || status=1
   for shape in ${GRID_SHAPES:-2048x8192 4096x11008 4096x14336}; do
     IFS=x read -r d h <<< "$shape"
     "$bin/twell" bench ffn --device cuda --m ${GRID_SHAPE_M:-4096,16384} --d "$d" --h "$h" --density 0.005,0.02,0.1 \
       --reps 30 --json "$out/grid_${d}_$h.json" 2>&1 | tee -a "$log" || status=1
   done
+fi
+if step train; then
+  # The training step (twell bench ffn-train) on issue 6's shapes (TRAIN_M), every implementation.
+  "$bin/twell" bench ffn-train --device cuda --m ${TRAIN_M:-16384,65536} --impl dense,sparse,auto,split,split-auto \
+    --hot-fraction ${TRAIN_HOT:-0.25,0.375,0.5} --json "$out/train.json" 2>&1 | tee -a "$log" || status=1
 fi
 exit $status

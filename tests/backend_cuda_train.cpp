@@ -263,6 +263,22 @@ TEST_P(CudaTrainTest, DensePathMatchesReference) {
                  r.d_down, r.stats, kDenseTolerance);
 }
 
+// The split step: the first 40% of the neurons (rounded to 64) dense, the rest sparse, both adding
+// into y and dx; each weight-gradient row written by its own part.
+TEST_P(CudaTrainTest, SplitPathMatchesReference) {
+  const TrainCase& c = GetParam();
+  const Workload w = workload();
+  const TwellMatrix gate = ref::gate_to_twell(w.x.data(), c.rows, w.weights, 128, c.compression);
+  const std::vector<float> dy = random_bf16_values(w.x.size(), 13 + c.rows);
+  cuda::FfnTrainOp op({.l1_coeff = c.l1_coeff, .path = cuda::TrainPath::sparse, .ell_width = c.ell_width,
+                       .hot_fraction = 0.4});
+  const StepResult r = step(op, w, dy, nullptr);
+  ASSERT_EQ(r.stats.path, cuda::TrainPath::sparse);
+  EXPECT_EQ(r.stats.hot_neurons, static_cast<int32_t>(std::lround(0.4 * c.d_hidden / 64.0)) * 64);
+  expect_matches(reference_for(w, hybrid_from_twell(gate, 1), dy, c.l1_coeff), r.y, r.dx, r.d_gate, r.d_up,
+                 r.d_down, r.stats, kDenseTolerance);
+}
+
 // Corners: one row; nothing active; everything active (every row far over W, every tile spilled);
 // half active with W = 8 (most rows in a backup far larger than its first capacity); skew; the
 // automatic width; odd H; D not a multiple of 64; hot neurons whose lists span several chunks of
@@ -323,6 +339,13 @@ TEST(CudaTrainOp, RefusesBadInput) {
   DeviceGrads grads(4, 64, 128);
   EXPECT_THROW(op.backward(x.get(), grads.view(), nullptr), Error);  // no forward yet
   EXPECT_THROW(cuda::FfnTrainOp({.l1_coeff = -1}), Error);
+  EXPECT_THROW(cuda::FfnTrainOp({.hot_fraction = 1.0}), Error);
+  cuda::FfnTrainOp split({.hot_fraction = 0.5});
+  const Workload gated = make_workload({.rows = 4, .d_model = 64, .d_hidden = 128, .density = 0.1});
+  const cuda::DeviceFfnWeights gated_weights = test::upload_weights_any_width(gated.weights);
+  cuda::DeviceTwell packed;
+  cuda::upload(ref::gate_to_twell(gated.x.data(), 4, gated.weights, 128, 4), packed);
+  EXPECT_THROW(split.forward(x.get(), 4, gated_weights, packed, y.get(), nullptr), Error);  // packing of every neuron
 }
 
 }  // namespace

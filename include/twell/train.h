@@ -90,6 +90,12 @@ struct FfnTrainOptions {
   // step's time (fixed part + a part proportional to the non-zeros) crosses the dense step's,
   // 1.07% on an H200 at D = 2048, H = 5632, M = 16384 (docs/perf-notes.md, "Training FFN").
   double dense_above_density = 0.01;
+  // Split steps (sparse path): the first round(hot_fraction·H / 64)·64 neurons run through the dense
+  // cuBLASLt step, the others through the sparse one, both adding into y and dx. It pays where the
+  // weights have their most often active neurons first (sort_neurons_by_activity, host_tensors.h):
+  // those make most of the sparse path's non-zeros at a fraction of the dense FLOPs. 0: no split.
+  // The dispatch compares the density of the whole gate either way.
+  double hot_fraction = 0;
 };
 
 // Statistics of the last forward, read from the device (synchronises the stream).
@@ -99,6 +105,7 @@ struct FfnTrainStats {
   double l0 = 0;                       // mean non-zeros per row of g
   int32_t ell_width = 0;               // W (sparse path)
   int32_t backup_rows = 0;             // rows over W (sparse path)
+  int32_t hot_neurons = 0;             // neurons of the split's dense part (0: no split)
 };
 
 class FfnTrainOp {
@@ -110,13 +117,13 @@ class FfnTrainOp {
 
   // y [M, D] = FFN(x [M, D]) for gated weights; the gate is packed by cuda::gate_to_twell. x and the
   // weights must stay alive until backward() returns.
-  void forward(const bf16* x, int64_t rows, const DeviceFfnWeights& weights, bf16* y, cudaStream_t stream);
+  void forward(const bf16* x, int64_t rows, const DeviceFfnView& weights, bf16* y, cudaStream_t stream);
   // The same from a given TwELL packing of relu(x·Wg^T) (the dense path ignores it); it must stay
   // alive until backward() returns.
-  void forward(const bf16* x, int64_t rows, const DeviceFfnWeights& weights, const DeviceTwell& gate, bf16* y,
+  void forward(const bf16* x, int64_t rows, const DeviceFfnView& weights, const DeviceTwell& gate, bf16* y,
                cudaStream_t stream);
   // The sparse path from a complete hybrid gate (backup_used <= capacity); one synchronisation.
-  void forward(const bf16* x, int64_t rows, const DeviceFfnWeights& weights, const DeviceHybrid& gate, bf16* y,
+  void forward(const bf16* x, int64_t rows, const DeviceFfnView& weights, const DeviceHybrid& gate, bf16* y,
                cudaStream_t stream);
   // Gradients of <dy, y> + L1 for the last forward. dy [M, D].
   void backward(const bf16* dy, const DeviceFfnGrads& grads, cudaStream_t stream);

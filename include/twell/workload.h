@@ -41,6 +41,10 @@ std::vector<std::vector<float>> rotated_inputs(const Workload& work, int count);
 // `count` values N(0, stddev²), each rounded to bf16, from the workload's generator.
 std::vector<float> make_normal(size_t count, double stddev, uint64_t seed);
 double gate_threshold_for_density(double density);
+// The weights with their neurons sorted by how many of 1024 calibration rows activate each
+// (make_activations with `seed`, apart from any timed input set): the order the split paths of
+// cuda::SparseFfn and cuda::FfnTrainOp want (sort_neurons_by_activity).
+FfnWeights sorted_by_activity(const FfnWeights& weights, uint64_t seed);
 // Mean non-zeros per row of relu(x·W^T) for the relu projection W, computed exactly.
 double measured_nnz_per_row(const float* x, int64_t rows, const FfnWeights& weights);
 

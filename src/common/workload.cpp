@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "twell/cpu.h"
 #include "twell/error.h"
 
 namespace twell {
@@ -115,6 +116,12 @@ double measured_nnz_per_row(const float* x, int64_t rows, const FfnWeights& weig
       nnz += acc > 0.0;
     }
   return static_cast<double>(nnz) / static_cast<double>(rows);
+}
+
+FfnWeights sorted_by_activity(const FfnWeights& weights, uint64_t seed) {
+  constexpr int64_t kCalibrationRows = 1024;
+  const std::vector<float> x = make_activations(kCalibrationRows, weights.d_model, seed);
+  return sort_neurons_by_activity(weights, cpu::count_active_neurons(x.data(), kCalibrationRows, weights));
 }
 
 }  // namespace twell

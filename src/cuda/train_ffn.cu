@@ -47,21 +47,13 @@ int32_t round_up(int64_t value, int32_t multiple) {
   return static_cast<int32_t>((value + multiple - 1) / multiple * multiple);
 }
 
-// Raw pointers of the weights, each bf16 [H, D].
-struct WeightView {
-  int32_t d_model = 0, d_hidden = 0;
-  const bf16* gate = nullptr;
-  const bf16* up = nullptr;
-  const bf16* down = nullptr;
-};
-
-WeightView checked_view(const DeviceFfnWeights& w) {
+const DeviceFfnView& checked(const DeviceFfnView& w) {
   TWELL_REQUIRE(w.d_model >= 8 && w.d_model % 8 == 0, "d_model must be a positive multiple of 8, got {}",
                 w.d_model);
   TWELL_REQUIRE(w.d_hidden >= 1, "d_hidden must be positive, got {}", w.d_hidden);
   TWELL_REQUIRE(w.gated && w.gate && w.up && w.down,
                 "the training FFN needs gated weights (gate, up, down on the device), got a non-gated or empty set");
-  return WeightView{w.d_model, w.d_hidden, w.gate.get(), w.up.get(), w.down.get()};
+  return w;
 }
 
 }  // namespace
@@ -84,7 +76,8 @@ TrainPath parse_train_path(const std::string& name) {
 
 struct FfnTrainOp::State {
   FfnTrainOptions options;
-  RowMajorGemm gemm;
+  std::unique_ptr<RowMajorGemm> own_gemm;  // null where the state shares its owner's
+  RowMajorGemm& gemm;
   SparseBuffers sparse;
   DenseBuffers dense;
   DeviceBuffer<float> l1_row;     // [M] Σ|h| per row
@@ -97,16 +90,26 @@ struct FfnTrainOp::State {
   cudaEvent_t stats_ready = nullptr;
   bool stats_pending = false;
   double measured_density = -1;  // of the latest step whose statistics arrived; < 0: none yet
+  double own_row_nnz = -1;       // the same step's non-zeros per row in this state's part of H
 
   // The last forward, for backward().
   TrainPath path = TrainPath::sparse;
   const bf16* x = nullptr;
   int64_t rows = 0;
-  WeightView weights;
+  DeviceFfnView weights;
   const DeviceHybrid* gate = nullptr;
   int32_t backup_rows = 0;
 
-  explicit State(FfnTrainOptions o) : options(o) {
+  // Split steps: the hot neurons' dense step (a state of path dense sharing this one's GEMMs),
+  // which adds into y and dx after the sparse step over the other neurons has written them.
+  std::unique_ptr<State> hot;
+  int32_t hot_neurons = 0;  // of the last forward; 0 = no split
+  int32_t step_hidden = 0;  // H of the last forward, all neurons
+
+  explicit State(FfnTrainOptions o, RowMajorGemm* shared_gemm = nullptr)
+      : options(o),
+        own_gemm(shared_gemm ? nullptr : std::make_unique<RowMajorGemm>()),
+        gemm(shared_gemm ? *shared_gemm : *own_gemm) {
     TWELL_CUDA_CHECK(cudaMallocHost(&counters_host, sizeof(HybridCounters)));
     TWELL_CUDA_CHECK(cudaMallocHost(&stats_host, 2 * sizeof(double)));
     TWELL_CUDA_CHECK(cudaEventCreateWithFlags(&stats_ready, cudaEventDisableTiming));
@@ -118,13 +121,37 @@ struct FfnTrainOp::State {
     if (counters_host) cudaFreeHost(counters_host);
   }
 
-  double density_estimate() {
-    if (stats_pending && cudaEventQuery(stats_ready) == cudaSuccess) {
-      stats_pending = false;
-      if (weights.d_hidden > 0) measured_density = stats_host[1] / weights.d_hidden;
+  // Non-zeros per row of the whole gate in the last step (both parts of a split), once its
+  // statistics have arrived on the host.
+  bool arrived_row_nnz(double& row_nnz) {
+    if (!stats_pending || cudaEventQuery(stats_ready) != cudaSuccess) {
+      cudaGetLastError();  // cudaErrorNotReady is no error here
+      return false;
     }
-    cudaGetLastError();  // cudaErrorNotReady is no error here
+    double hot_row_nnz = 0;
+    if (hot_neurons > 0 && !hot->arrived_row_nnz(hot_row_nnz)) return false;
+    stats_pending = false;
+    own_row_nnz = stats_host[1];
+    row_nnz = own_row_nnz + hot_row_nnz;
+    return true;
+  }
+
+  double density_estimate() {
+    double row_nnz = 0;
+    if (step_hidden > 0 && arrived_row_nnz(row_nnz)) measured_density = row_nnz / step_hidden;
     return measured_density >= 0 ? measured_density : options.expected_density;
+  }
+
+  // The split's hot neurons for a gate of `d_hidden`: hot_fraction of them in multiples of 64
+  // (whole cuBLASLt tiles), 0 where that leaves no neuron on either side.
+  int32_t split_neurons(int32_t d_hidden) const {
+    const int32_t hot = static_cast<int32_t>(std::lround(options.hot_fraction * d_hidden / 64.0)) * 64;
+    return hot < d_hidden ? hot : 0;
+  }
+
+  int64_t bytes() const {
+    return sparse.bytes() + dense.bytes() + (own_gemm ? own_gemm->workspace_bytes() : 0) +
+           static_cast<int64_t>(l1_row.bytes() + nnz_row.bytes() + stats.bytes()) + (hot ? hot->bytes() : 0);
   }
 
   TrainPath resolve_path() {
@@ -135,7 +162,9 @@ struct FfnTrainOp::State {
   // W: room for 1.5x the expected non-zeros per row plus a margin, in multiples of 8.
   int32_t choose_ell_width(int32_t d_hidden) {
     if (options.ell_width > 0) return std::min(options.ell_width, d_hidden);
-    const double expected = density_estimate() * d_hidden;
+    // A split's sparse part sees fewer non-zeros per row than the whole gate: its own count.
+    const double density = density_estimate();
+    const double expected = own_row_nnz >= 0 ? std::min<double>(own_row_nnz, d_hidden) : density * d_hidden;
     return std::clamp(round_up(static_cast<int64_t>(std::ceil(1.5 * expected)) + 16, 8), 1, d_hidden);
   }
 
@@ -153,7 +182,7 @@ struct FfnTrainOp::State {
     stats_pending = true;
   }
 
-  void remember(TrainPath p, const bf16* x_in, int64_t m, const WeightView& w, const DeviceHybrid* g,
+  void remember(TrainPath p, const bf16* x_in, int64_t m, const DeviceFfnView& w, const DeviceHybrid* g,
                 int32_t b) {
     path = p;
     x = x_in;
@@ -165,16 +194,20 @@ struct FfnTrainOp::State {
 
   // Converts `twell` to the hybrid gate (growing the backup, and repacking with `repack_with`
   // when the packer's spill was too small), then runs sparse_forward.
-  void sparse_forward_from_twell(const bf16* x_in, int64_t m, const WeightView& w, const DeviceTwell& twell,
-                                 const DeviceFfnWeights* repack_with, bf16* y, cudaStream_t stream);
-  void sparse_forward(const bf16* x_in, int64_t m, const WeightView& w, const DeviceHybrid& g, int32_t b,
+  void sparse_forward_from_twell(const bf16* x_in, int64_t m, const DeviceFfnView& w, const DeviceTwell& twell,
+                                 const DeviceFfnView* repack_with, bf16* y, cudaStream_t stream);
+  void sparse_forward(const bf16* x_in, int64_t m, const DeviceFfnView& w, const DeviceHybrid& g, int32_t b,
                       bf16* y, cudaStream_t stream);
   void sparse_backward(const bf16* dy, const DeviceFfnGrads& grads, cudaStream_t stream);
-  void dense_forward(const bf16* x_in, int64_t m, const WeightView& w, bf16* y, cudaStream_t stream);
-  void dense_backward(const bf16* dy, const DeviceFfnGrads& grads, cudaStream_t stream);
+  // accumulate: add to y (forward) and dx (backward) instead of overwriting them.
+  void dense_forward(const bf16* x_in, int64_t m, const DeviceFfnView& w, bf16* y, cudaStream_t stream,
+                     bool accumulate = false);
+  void dense_backward(const bf16* dy, const DeviceFfnGrads& grads, cudaStream_t stream, bool accumulate = false);
+  // The sparse step over all neurons, or over those past the hot ones plus the hot ones' dense step.
+  void sparse_or_split_forward(const bf16* x_in, int64_t m, const DeviceFfnView& w, bf16* y, cudaStream_t stream);
 };
 
-void FfnTrainOp::State::sparse_forward(const bf16* x_in, int64_t m, const WeightView& w, const DeviceHybrid& g,
+void FfnTrainOp::State::sparse_forward(const bf16* x_in, int64_t m, const DeviceFfnView& w, const DeviceHybrid& g,
                                        int32_t b, bf16* y, cudaStream_t stream) {
   dense = DenseBuffers{};
   const HybridView view = view_of(g);
@@ -208,7 +241,7 @@ void FfnTrainOp::State::sparse_forward(const bf16* x_in, int64_t m, const Weight
 
 void FfnTrainOp::State::sparse_backward(const bf16* dy, const DeviceFfnGrads& grads, cudaStream_t stream) {
   const HybridView view = view_of(*gate);
-  const WeightView& w = weights;
+  const DeviceFfnView& w = weights;
   const int32_t d = w.d_model, h = w.d_hidden, b = backup_rows;
   const float l1_scale = static_cast<float>(options.l1_coeff / static_cast<double>(rows));
   SparseBuffers& s = sparse;
@@ -246,8 +279,8 @@ void FfnTrainOp::State::sparse_backward(const bf16* dy, const DeviceFfnGrads& gr
            1.0f, stream);
 }
 
-void FfnTrainOp::State::dense_forward(const bf16* x_in, int64_t m, const WeightView& w, bf16* y,
-                                      cudaStream_t stream) {
+void FfnTrainOp::State::dense_forward(const bf16* x_in, int64_t m, const DeviceFfnView& w, bf16* y,
+                                      cudaStream_t stream, bool accumulate) {
   sparse = SparseBuffers{};
   const int32_t d = w.d_model, h = w.d_hidden;
   const int64_t hidden = m * h;
@@ -259,13 +292,15 @@ void FfnTrainOp::State::dense_forward(const bf16* x_in, int64_t m, const WeightV
   gemm.run(m, h, d, {x_in, d, false}, {w.gate, d, true}, dense.g_pre.data(), h, GemmOutput::bf16, 0.0f, stream);
   gemm.run(m, h, d, {x_in, d, false}, {w.up, d, true}, dense.u.data(), h, GemmOutput::bf16, 0.0f, stream);
   gated_product_rows(dense.g_pre.data(), dense.u.data(), m, h, dense.h.data(), l1_row.data(), nnz_row.data(), stream);
-  gemm.run(m, d, h, {dense.h.data(), h, false}, {w.down, d, false}, y, d, GemmOutput::bf16, 0.0f, stream);
+  gemm.run(m, d, h, {dense.h.data(), h, false}, {w.down, d, false}, y, d, GemmOutput::bf16, accumulate ? 1.0f : 0.0f,
+           stream);
   finish_forward(m, nnz_row.data(), stream);
   remember(TrainPath::dense, x_in, m, w, nullptr, 0);
 }
 
-void FfnTrainOp::State::dense_backward(const bf16* dy, const DeviceFfnGrads& grads, cudaStream_t stream) {
-  const WeightView& w = weights;
+void FfnTrainOp::State::dense_backward(const bf16* dy, const DeviceFfnGrads& grads, cudaStream_t stream,
+                                       bool accumulate) {
+  const DeviceFfnView& w = weights;
   const int32_t d = w.d_model, h = w.d_hidden;
   const int64_t m = rows;
   const float l1_scale = static_cast<float>(options.l1_coeff / static_cast<double>(m));
@@ -274,11 +309,27 @@ void FfnTrainOp::State::dense_backward(const bf16* dy, const DeviceFfnGrads& gra
   gated_product_grad_rows_in_place(dense.g_pre.data(), dense.u.data(), dense.dh.data(), m, h, l1_scale, stream);
   const bf16* dg = dense.u.data();
   const bf16* du = dense.dh.data();
-  gemm.run(m, d, h, {dg, h, false}, {w.gate, d, false}, grads.dx, d, GemmOutput::bf16, 0.0f, stream);
+  gemm.run(m, d, h, {dg, h, false}, {w.gate, d, false}, grads.dx, d, GemmOutput::bf16, accumulate ? 1.0f : 0.0f,
+           stream);
   gemm.run(m, d, h, {du, h, false}, {w.up, d, false}, grads.dx, d, GemmOutput::bf16, 1.0f, stream);
   gemm.run(h, d, m, {dense.h.data(), h, true}, {dy, d, false}, grads.d_down, d, GemmOutput::f32, 0.0f, stream);
   gemm.run(h, d, m, {dg, h, true}, {x, d, false}, grads.d_gate, d, GemmOutput::f32, 0.0f, stream);
   gemm.run(h, d, m, {du, h, true}, {x, d, false}, grads.d_up, d, GemmOutput::f32, 0.0f, stream);
+}
+
+void FfnTrainOp::State::sparse_or_split_forward(const bf16* x_in, int64_t m, const DeviceFfnView& w, bf16* y,
+                                                cudaStream_t stream) {
+  const int32_t hot_count = split_neurons(w.d_hidden);
+  const DeviceFfnView cold = hot_count > 0 ? w.neurons(hot_count, w.d_hidden) : w;
+  gate_to_twell(x_in, m, cold, options.tile, options.compression, sparse.own_twell, stream);
+  sparse_forward_from_twell(x_in, m, cold, sparse.own_twell, &cold, y, stream);
+  hot_neurons = hot_count;
+  if (hot_count == 0) {
+    hot.reset();
+    return;
+  }
+  if (!hot) hot = std::make_unique<State>(FfnTrainOptions{.l1_coeff = options.l1_coeff, .path = TrainPath::dense}, &gemm);
+  hot->dense_forward(x_in, m, w.neurons(0, hot_count), y, stream, /*accumulate=*/true);
 }
 
 FfnTrainOp::FfnTrainOp(FfnTrainOptions options) : state_(std::make_unique<State>(options)) {
@@ -286,12 +337,14 @@ FfnTrainOp::FfnTrainOp(FfnTrainOptions options) : state_(std::make_unique<State>
   TWELL_REQUIRE(options.ell_width >= 0, "ell_width must be >= 0 (0 = automatic), got {}", options.ell_width);
   TWELL_REQUIRE(options.expected_density >= 0 && options.expected_density <= 1,
                 "expected_density must be in [0, 1], got {}", options.expected_density);
+  TWELL_REQUIRE(options.hot_fraction >= 0 && options.hot_fraction < 1, "hot_fraction must be in [0, 1), got {}",
+                options.hot_fraction);
 }
 
 FfnTrainOp::~FfnTrainOp() = default;
 
-void FfnTrainOp::State::sparse_forward_from_twell(const bf16* x_in, int64_t m, const WeightView& w,
-                                                  const DeviceTwell& twell, const DeviceFfnWeights* repack_with,
+void FfnTrainOp::State::sparse_forward_from_twell(const bf16* x_in, int64_t m, const DeviceFfnView& w,
+                                                  const DeviceTwell& twell, const DeviceFfnView* repack_with,
                                                   bf16* y, cudaStream_t stream) {
   TWELL_REQUIRE(twell.shape.rows == m && twell.shape.cols == w.d_hidden,
                 "TwELL gate must be [M = {}, H = {}], got [{}, {}]", m, w.d_hidden, twell.shape.rows,
@@ -324,38 +377,47 @@ void FfnTrainOp::State::sparse_forward_from_twell(const bf16* x_in, int64_t m, c
   }
 }
 
-void FfnTrainOp::forward(const bf16* x, int64_t rows, const DeviceFfnWeights& weights, bf16* y,
-                         cudaStream_t stream) {
-  const WeightView w = checked_view(weights);
+void FfnTrainOp::forward(const bf16* x, int64_t rows, const DeviceFfnView& weights, bf16* y, cudaStream_t stream) {
+  const DeviceFfnView& w = checked(weights);
   TWELL_REQUIRE(rows >= 1, "rows must be positive, got {}", rows);
   State& s = *state_;
-  if (s.resolve_path() == TrainPath::dense) {
+  const TrainPath path = s.resolve_path();
+  s.step_hidden = w.d_hidden;
+  if (path == TrainPath::dense) {
+    s.hot_neurons = 0;
+    s.hot.reset();
     s.dense_forward(x, rows, w, y, stream);
-    return;
+  } else {
+    s.sparse_or_split_forward(x, rows, w, y, stream);
   }
-  gate_to_twell(x, rows, weights, s.options.tile, s.options.compression, s.sparse.own_twell, stream);
-  s.sparse_forward_from_twell(x, rows, w, s.sparse.own_twell, &weights, y, stream);
 }
 
-void FfnTrainOp::forward(const bf16* x, int64_t rows, const DeviceFfnWeights& weights, const DeviceTwell& gate,
+void FfnTrainOp::forward(const bf16* x, int64_t rows, const DeviceFfnView& weights, const DeviceTwell& gate,
                          bf16* y, cudaStream_t stream) {
-  const WeightView w = checked_view(weights);
+  const DeviceFfnView& w = checked(weights);
   TWELL_REQUIRE(rows >= 1, "rows must be positive, got {}", rows);
   State& s = *state_;
-  if (s.resolve_path() == TrainPath::dense) {
+  TWELL_REQUIRE(s.options.hot_fraction == 0, "a given gate packing covers every neuron: no split (hot_fraction {})",
+                s.options.hot_fraction);
+  const TrainPath path = s.resolve_path();
+  s.step_hidden = w.d_hidden;
+  if (path == TrainPath::dense) {
     s.dense_forward(x, rows, w, y, stream);
     return;
   }
   s.sparse_forward_from_twell(x, rows, w, gate, /*repack_with=*/nullptr, y, stream);
 }
 
-void FfnTrainOp::forward(const bf16* x, int64_t rows, const DeviceFfnWeights& weights, const DeviceHybrid& gate,
+void FfnTrainOp::forward(const bf16* x, int64_t rows, const DeviceFfnView& weights, const DeviceHybrid& gate,
                          bf16* y, cudaStream_t stream) {
-  const WeightView w = checked_view(weights);
+  const DeviceFfnView& w = checked(weights);
   TWELL_REQUIRE(gate.shape().rows == rows && gate.shape().cols == weights.d_hidden,
                 "hybrid gate must be [M = {}, H = {}], got [{}, {}]", rows, weights.d_hidden, gate.shape().rows,
                 gate.shape().cols);
   State& s = *state_;
+  TWELL_REQUIRE(s.options.hot_fraction == 0, "a given gate covers every neuron: no split (hot_fraction {})",
+                s.options.hot_fraction);
+  s.step_hidden = w.d_hidden;
   const HybridCounters counters = s.read_counters(gate, stream);
   TWELL_REQUIRE(counters.gate_incomplete == 0, "hybrid gate was converted from an incomplete TwELL packing");
   TWELL_REQUIRE(counters.backup_used <= gate.backup_capacity(),
@@ -369,10 +431,15 @@ void FfnTrainOp::backward(const bf16* dy, const DeviceFfnGrads& grads, cudaStrea
   TWELL_REQUIRE(s.x != nullptr, "backward() needs a forward() first");
   TWELL_REQUIRE(dy && grads.dx && grads.d_gate && grads.d_up && grads.d_down,
                 "backward needs dy and all four gradient outputs, got a null pointer");
-  if (s.path == TrainPath::dense)
+  if (s.path == TrainPath::dense) {
     s.dense_backward(dy, grads, stream);
-  else
-    s.sparse_backward(dy, grads, stream);
+    return;
+  }
+  // A split: the sparse part's gradient rows follow the hot ones; its dx is the first written.
+  const int64_t hot_elements = int64_t{s.hot_neurons} * s.weights.d_model;
+  s.sparse_backward(dy, {grads.dx, grads.d_gate + hot_elements, grads.d_up + hot_elements, grads.d_down + hot_elements},
+                    stream);
+  if (s.hot_neurons > 0) s.hot->dense_backward(dy, grads, stream, /*accumulate=*/true);
 }
 
 FfnTrainStats FfnTrainOp::stats(cudaStream_t stream) const {
@@ -384,6 +451,12 @@ FfnTrainStats FfnTrainOp::stats(cudaStream_t stream) const {
   out.path = s.path;
   out.l1 = values[0];
   out.l0 = values[1];
+  if (s.hot_neurons > 0) {
+    s.hot->stats.download(values, 2, stream);
+    out.l1 += values[0];
+    out.l0 += values[1];
+    out.hot_neurons = s.hot_neurons;
+  }
   if (s.path == TrainPath::sparse) {
     out.ell_width = s.gate->shape().ell_width;
     out.backup_rows = s.backup_rows;
@@ -391,10 +464,6 @@ FfnTrainStats FfnTrainOp::stats(cudaStream_t stream) const {
   return out;
 }
 
-int64_t FfnTrainOp::held_bytes() const {
-  const State& s = *state_;
-  return s.sparse.bytes() + s.dense.bytes() + s.gemm.workspace_bytes() +
-         static_cast<int64_t>(s.l1_row.bytes() + s.nnz_row.bytes() + s.stats.bytes());
-}
+int64_t FfnTrainOp::held_bytes() const { return state_->bytes(); }
 
 }  // namespace twell::cuda

@@ -19,7 +19,6 @@
 
 #include "bench_ffn.h"
 #include "twell/bench_record.h"
-#include "twell/cpu.h"
 #include "twell/cuda.h"
 #include "twell/error.h"
 
@@ -54,20 +53,12 @@ class EventTimer {
   cuda::L2Evictor evictor_;
 };
 
-// The workload's weights with their neurons sorted by how many of 1024 calibration rows (fresh
-// activations, not among the timed input sets) activate each.
-FfnWeights sorted_by_activity(const Workload& work) {
-  constexpr int64_t kCalibrationRows = 1024;
-  const std::vector<float> x = make_activations(kCalibrationRows, work.spec.d_model, work.spec.seed + 4242);
-  return sort_neurons_by_activity(work.weights, cpu::count_active_neurons(x.data(), kCalibrationRows, work.weights));
-}
-
 // Device copies of the workload: weights, the rotated inputs, y.
 class CudaImpl : public FfnBenchImpl {
  public:
   void prepare(const Workload& work, const std::vector<std::vector<float>>& inputs) override {
     rows_ = work.spec.rows;
-    weights_ = cuda::upload_weights(sorts_neurons() ? sorted_by_activity(work) : work.weights);
+    weights_ = cuda::upload_weights(sorts_neurons() ? sorted_by_activity(work.weights, work.spec.seed + 4242) : work.weights);
     inputs_.clear();
     for (const std::vector<float>& x : inputs) inputs_.push_back(cuda::upload_bf16(x.data(), x.size()));
     y_count_ = static_cast<size_t>(rows_) * work.spec.d_model;

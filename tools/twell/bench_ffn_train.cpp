@@ -1,6 +1,8 @@
 // `twell bench ffn-train --device cuda`: one training step of the gated FFN (forward + backward)
 // on the GPU: the sparse path (TwELL gate kernel -> hybrid -> sparse products), the dense cuBLASLt
-// path and the automatic dispatch, timed in the same run on the standard workload. Reports the
+// path, the automatic dispatch and the split steps (FfnTrainOptions::hot_fraction: the most often
+// active neurons dense, the rest sparse, on the weights sorted by activity on calibration rows
+// apart from the timed ones), timed in the same run on the standard workload. Reports the
 // speed-up over dense, the memory each holds, and the relative errors of y, dx and the three
 // weight gradients against the float64 reference on sampled rows (y, dx) and neurons (weights).
 #include <algorithm>
@@ -32,7 +34,9 @@ struct TrainBenchOptions {
   int32_t d_model = 2048;
   int32_t d_hidden = 5632;
   std::vector<double> densities = {0.005, 0.02, 0.1};
-  std::vector<std::string> impls = {"dense", "sparse", "auto"};
+  std::vector<std::string> impls = {"dense", "sparse", "auto", "split"};
+  std::vector<double> hot_fractions = {0.25, 0.375, 0.5};  // split: one run each
+  double split_dense_above = 0.03;                        // split-auto: its dispatch threshold
   double l1_coeff = 0.01;
   int warmup = 3;
   int reps = 10;
@@ -95,8 +99,11 @@ void validate_options(const TrainBenchOptions& o) {
   for (double density : o.densities)
     TWELL_REQUIRE(density >= 0 && density <= 1, "--density values must lie in [0, 1], got {}", density);
   for (const std::string& impl : o.impls)
-    TWELL_REQUIRE(impl == "dense" || impl == "sparse" || impl == "auto", "--impl must be dense, sparse or auto, got '{}'",
-                  impl);
+    TWELL_REQUIRE(impl == "dense" || impl == "sparse" || impl == "auto" || impl == "split" || impl == "split-auto",
+                  "--impl must be dense, sparse, auto, split or split-auto, got '{}'", impl);
+  TWELL_REQUIRE(!o.hot_fractions.empty(), "--hot-fraction needs values");
+  for (double f : o.hot_fractions) TWELL_REQUIRE(f > 0 && f < 1, "--hot-fraction values must lie in (0, 1), got {}", f);
+  TWELL_REQUIRE(o.split_dense_above >= 0, "--split-dense-above must be >= 0, got {}", o.split_dense_above);
   TWELL_REQUIRE(o.d_model >= 64 && o.d_model % 64 == 0, "--d must be a positive multiple of 64, got {}", o.d_model);
   TWELL_REQUIRE(o.d_hidden >= 1, "--h must be >= 1, got {}", o.d_hidden);
   TWELL_REQUIRE(o.l1_coeff >= 0, "--l1 must be >= 0, got {}", o.l1_coeff);
@@ -146,8 +153,8 @@ void run_cuda(const TrainBenchOptions& o) {
   cudaEvent_t start, stop;
   check_cuda(cudaEventCreate(&start), "cudaEventCreate");
   check_cuda(cudaEventCreate(&stop), "cudaEventCreate");
-  fmt::print("{:>6} {:>6} {:>8} {:>7} {:>9} {:>8} {:>8} {:>9} {:>6} {:>7} {:>9}\n", "M", "dens%", "impl", "path",
-             "nnz/row", "ms", "xdense", "held MiB", "mem%", "backup", "max err");
+  fmt::print("{:>6} {:>6} {:>10} {:>7} {:>5} {:>9} {:>8} {:>8} {:>9} {:>6} {:>7} {:>9}\n", "M", "dens%", "impl", "path",
+             "hot", "nnz/row", "ms", "xdense", "held MiB", "mem%", "backup", "max err");
   for (int64_t m : o.rows) {
     const int32_t d = o.d_model, h = o.d_hidden;
     const std::vector<float> x = make_activations(m, d, 1);
@@ -165,13 +172,38 @@ void run_cuda(const TrainBenchOptions& o) {
           make_workload({.rows = 1, .d_model = d, .d_hidden = h, .density = density, .seed = 1}).weights;
       const cuda::DeviceFfnWeights device_weights = cuda::upload_weights(weights);
       const SampledReference ref = sampled_reference(x, dy, m, weights, o.l1_coeff, o.check_rows, o.check_neurons);
-      double dense_ms = 0, dense_bytes = 0;
+      // The split runs' weights: sorted by activity (loaded lazily; the sampled reference follows).
+      std::unique_ptr<cuda::DeviceFfnWeights> sorted_device;
+      std::unique_ptr<SampledReference> sorted_ref;
+      // (impl, hot fraction) in the order given: split once per fraction.
+      std::vector<std::pair<std::string, double>> runs;
       for (const std::string& impl : o.impls) {
+        if (impl == "split")
+          for (double f : o.hot_fractions) runs.emplace_back(impl, f);
+        else
+          runs.emplace_back(impl, impl == "split-auto" ? o.hot_fractions.front() : 0.0);
+      }
+      double dense_ms = 0, dense_bytes = 0;
+      for (const auto& [impl, hot_fraction] : runs) {
+        const bool split = hot_fraction > 0;
+        if (split && !sorted_device) {
+          const FfnWeights sorted = sorted_by_activity(weights, 4243);
+          sorted_device = std::make_unique<cuda::DeviceFfnWeights>(cuda::upload_weights(sorted));
+          sorted_ref = std::make_unique<SampledReference>(
+              sampled_reference(x, dy, m, sorted, o.l1_coeff, o.check_rows, o.check_neurons));
+        }
+        const cuda::DeviceFfnWeights& device_weights_run = split ? *sorted_device : device_weights;
+        const SampledReference& ref_run = split ? *sorted_ref : ref;
         cuda::FfnTrainOp op({.l1_coeff = o.l1_coeff,
-                             .path = cuda::parse_train_path(impl),
-                             .expected_density = density});
+                             .path = impl == "split" ? cuda::TrainPath::sparse
+                                     : impl == "split-auto" ? cuda::TrainPath::automatic
+                                                            : cuda::parse_train_path(impl),
+                             .expected_density = density,
+                             .dense_above_density = impl == "split-auto" ? o.split_dense_above
+                                                                        : cuda::FfnTrainOptions{}.dense_above_density,
+                             .hot_fraction = hot_fraction});
         const auto train_step = [&] {
-          op.forward(x_device.get(), m, device_weights, y.get(), stream);
+          op.forward(x_device.get(), m, device_weights_run, y.get(), stream);
           op.backward(dy_device.get(), grads, stream);
         };
         for (int i = 0; i < o.warmup; ++i) train_step();
@@ -186,7 +218,7 @@ void run_cuda(const TrainBenchOptions& o) {
           samples.push_back(ms);
         }
         const cuda::FfnTrainStats stats = op.stats(stream);
-        const Errors errors = sampled_errors(ref, y.get(), grads, d);
+        const Errors errors = sampled_errors(ref_run, y.get(), grads, d);
 
         BenchRecord r = new_bench_record("ffn-train", "cuda", cuda::device_name(), impl, m, d, h, density);
         r.nnz_per_row = stats.l0;
@@ -200,6 +232,8 @@ void run_cuda(const TrainBenchOptions& o) {
         const double speedup = dense_ms > 0 ? dense_ms / r.timing.median_ms : 0;
         const double memory_fraction = dense_bytes > 0 ? r.peak_bytes / dense_bytes : 0;
         r.extra = {{"path", cuda::to_string(stats.path)},
+                   {"hot_fraction", hot_fraction},
+                   {"hot_neurons", stats.hot_neurons},
                    {"speedup_vs_dense", speedup},
                    {"held_fraction_of_dense", memory_fraction},
                    {"ell_width", stats.ell_width},
@@ -211,11 +245,12 @@ void run_cuda(const TrainBenchOptions& o) {
                    {"err_d_gate", errors.d_gate},
                    {"err_d_up", errors.d_up},
                    {"err_d_down", errors.d_down},
-                   {"checked_rows", ref.rows.size()},
-                   {"checked_neurons", ref.neurons.size()}};
+                   {"checked_rows", ref_run.rows.size()},
+                   {"checked_neurons", ref_run.neurons.size()}};
         records.push_back(r);
-        fmt::print("{:>6} {:>6.2f} {:>8} {:>7} {:>9.1f} {:>8.3f} {:>8.2f} {:>9.1f} {:>6.1f} {:>7} {:>9.2e}\n", m,
-                   100 * density, impl, cuda::to_string(stats.path), stats.l0, r.timing.median_ms, speedup,
+        fmt::print("{:>6} {:>6.2f} {:>10} {:>7} {:>5} {:>9.1f} {:>8.3f} {:>8.2f} {:>9.1f} {:>6.1f} {:>7} {:>9.2e}\n", m,
+                   100 * density, impl, cuda::to_string(stats.path), stats.hot_neurons, stats.l0, r.timing.median_ms,
+                   speedup,
                    r.peak_bytes / 1048576.0, 100 * memory_fraction, stats.backup_rows, errors.worst());
         std::fflush(stdout);
       }
@@ -238,7 +273,14 @@ void add_bench_ffn_train(CLI::App& bench) {
   command->add_option("--d", options->d_model, "model width D");
   command->add_option("--h", options->d_hidden, "hidden width H");
   command->add_option("--density", options->densities, "target densities of the gate")->delimiter(',');
-  command->add_option("--impl", options->impls, "dense, sparse, auto (dense first: ratios use it)")->delimiter(',');
+  command->add_option("--impl", options->impls,
+                      "dense, sparse, auto, split (once per --hot-fraction), split-auto (dense first: ratios use it)")
+      ->delimiter(',');
+  command->add_option("--hot-fraction", options->hot_fractions,
+                      "split: fractions of H run densely (the most active neurons); split-auto takes the first")
+      ->delimiter(',');
+  command->add_option("--split-dense-above", options->split_dense_above,
+                      "split-auto: density of the gate above which a step runs all dense");
   command->add_option("--l1", options->l1_coeff, "L1 coefficient on h");
   command->add_option("--warmup", options->warmup, "untimed steps first");
   command->add_option("--reps", options->reps, "timed steps");
