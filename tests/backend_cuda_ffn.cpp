@@ -137,6 +137,30 @@ TEST_F(CudaFfnFromTwell, SplitPathsOnSortedWeightsGiveTheFfn) {
   EXPECT_THROW(cuda::SparseFfn({.hot_fractions = {1.0}}), Error);
 }
 
+// A split path taken at one density is not kept blindly when the input changes: its sparse part's
+// density moves to another bucket, so a call runs plain TwELL to observe the layer's density (the
+// split calls alone would leave the dispatch keyed by the old density for good).
+TEST_F(CudaFfnFromTwell, SplitIsRecheckedWhenTheDensityChanges) {
+  cuda::SparseFfn ffn({.tile = 128, .compression = 4, .allow_dense = false, .hot_fractions = {0.9}});
+  const auto calls = [&](double density, int count) {
+    const WorkloadSpec spec{.rows = 4096, .d_model = 512, .d_hidden = 4096, .density = density, .seed = 31};
+    const Workload work = make_workload(spec);
+    const cuda::DeviceFfnWeights weights = cuda::upload_weights(work.weights);
+    const cuda::DeviceArray<bf16> x = cuda::upload_bf16(work.x.data(), work.x.size());
+    const cuda::DeviceArray<bf16> y = cuda::make_device_array<bf16>(work.x.size());
+    std::set<int32_t> hot_seen;
+    for (int call = 0; call < count; ++call) {
+      ffn.run(x.get(), spec.rows, weights, y.get());
+      hot_seen.insert(ffn.last_hot_neurons());
+    }
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    return std::pair{hot_seen, ffn.last_hot_neurons()};
+  };
+  // At 30% TwELL is several times slower than a split running 90% of H densely (29 tiles of 128).
+  EXPECT_EQ(calls(0.3, 6).second, 3712);
+  EXPECT_TRUE(calls(0.002, 8).first.contains(0));
+}
+
 TEST_F(CudaFfnFromTwell, ViewsOfNeuronRangesStayInside) {
   const WorkloadSpec spec{.rows = 2, .d_model = 64, .d_hidden = 300, .density = 0.1, .seed = 30};
   const test::WorkloadOnDevice d = test::upload_workload(spec);

@@ -267,6 +267,7 @@ TEST_P(CudaTrainTest, DensePathMatchesReference) {
 // into y and dx; each weight-gradient row written by its own part.
 TEST_P(CudaTrainTest, SplitPathMatchesReference) {
   const TrainCase& c = GetParam();
+  if (c.d_model % 64 != 0) GTEST_SKIP() << "the split packs its gate with the gate kernel: D a multiple of 64";
   const Workload w = workload();
   const TwellMatrix gate = ref::gate_to_twell(w.x.data(), c.rows, w.weights, 128, c.compression);
   const std::vector<float> dy = random_bf16_values(w.x.size(), 13 + c.rows);

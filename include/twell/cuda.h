@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <utility>
 #include <memory>
 #include <vector>
 
@@ -188,7 +189,9 @@ class DenseFfn {
 // timed like the others (after TwELL and dense) and taken when fastest. It pays when the weights'
 // neurons are sorted by how often they are active (sort_neurons_by_activity, host_tensors.h): the
 // few neurons active for many tokens then cost a dense GEMM's share instead of two weight rows per
-// non-zero. A split call measures only its sparse part's density, so it does not update the density.
+// non-zero. A split call measures only its sparse part's density, so it does not update the layer's;
+// it is compared with the one its path saw when first run in the bucket, and when its density bucket
+// differs (the input changed), the next call runs plain TwELL to observe the layer's density again.
 struct SparseFfnOptions {
   int32_t tile = 128;
   int32_t compression = 4;
@@ -214,6 +217,7 @@ class SparseFfn {
   // Neurons a path runs densely ahead of TwELL (0 for TwELL and dense).
   int32_t hot_neurons(int path, int32_t hidden) const;
   bool path_available(int path, int32_t hidden) const;
+  static int64_t density_bucket(double nnz_per_row);
   static int64_t bucket_key(int64_t rows, double nnz_per_row);
   float timed_run(int path, const bf16* x, int64_t rows, const DeviceFfnView& weights, bf16* y, cudaStream_t stream);
   void run_path(int path, const bf16* x, int64_t rows, const DeviceFfnView& weights, bf16* y, cudaStream_t stream);
@@ -225,7 +229,8 @@ class SparseFfn {
   };
   struct SlotFacts {
     int64_t rows = 0;
-    bool all_neurons = true;  // false: a split call's packing (its density is not the layer's)
+    int32_t hot = 0;      // > 0: a split call's packing (its density is not the layer's)
+    int64_t bucket = 0;   // the bucket the call was dispatched in
   };
   static constexpr int kCounterSlots = 4;
   // Reads the newest finished slot (waits for the oldest only when all kCounterSlots are in flight
@@ -237,6 +242,10 @@ class SparseFfn {
   DenseFfn dense_;
   std::map<int64_t, std::vector<float>> timings_;  // per bucket: median ms per path, < 0 unmeasured
   double last_nnz_per_row_ = -1;  // unknown before the first TwELL call's counters arrive
+  int64_t current_bucket_ = 0;    // of the call being issued
+  // Per (bucket, hot neurons): the density bucket of the split's sparse part when first seen.
+  std::map<std::pair<int64_t, int32_t>, int64_t> split_density_buckets_;
+  bool recheck_density_ = false;  // a split call saw another density: the next call runs TwELL
   int last_path_ = kTwellPath;
   int32_t last_hot_neurons_ = 0;
   cudaEvent_t start_ = nullptr, stop_ = nullptr;

@@ -36,10 +36,13 @@ int64_t SparseFfn::scratch_bytes() const {
   return packed + dense_.scratch_bytes();
 }
 
+int64_t SparseFfn::density_bucket(double nnz_per_row) {
+  return nnz_per_row < 0 ? -1 : static_cast<int64_t>(std::floor(std::log2(1.0 + nnz_per_row)));
+}
+
 int64_t SparseFfn::bucket_key(int64_t rows, double nnz_per_row) {
   const int64_t row_bucket = static_cast<int64_t>(std::ceil(std::log2(static_cast<double>(rows))));
-  const int64_t density_bucket = nnz_per_row < 0 ? -1 : static_cast<int64_t>(std::floor(std::log2(1.0 + nnz_per_row)));
-  return row_bucket * 64 + density_bucket + 1;
+  return row_bucket * 64 + density_bucket(nnz_per_row) + 1;
 }
 
 void SparseFfn::read_counters() {
@@ -52,8 +55,14 @@ void SparseFfn::read_counters() {
     if (state == cudaErrorNotReady) continue;
     TWELL_CUDA_CHECK(state);
     const Counters counters = counters_host_[slot];
-    if (slot_facts_[slot].all_neurons)
-      last_nnz_per_row_ = static_cast<double>(counters.nnz) / static_cast<double>(slot_facts_[slot].rows);
+    const SlotFacts& facts = slot_facts_[slot];
+    const double nnz_per_row = static_cast<double>(counters.nnz) / static_cast<double>(facts.rows);
+    if (facts.hot == 0) {
+      last_nnz_per_row_ = nnz_per_row;
+    } else {
+      const auto [seen, first] = split_density_buckets_.try_emplace({facts.bucket, facts.hot}, density_bucket(nnz_per_row));
+      if (!first && seen->second != density_bucket(nnz_per_row)) recheck_density_ = true;
+    }
     if (counters.spill_used > packed_.spill_capacity && !packed_.empty())
       reserve(packed_, packed_.shape, counters.spill_used + counters.spill_used / 4);
     newest_read_ = call;
@@ -92,7 +101,7 @@ void SparseFfn::run_path(int path, const bf16* x, int64_t rows, const DeviceFfnV
   TWELL_CUDA_CHECK(cudaMemcpyAsync(&counters->spill_used, packed_.spill_used.get(), sizeof counters->spill_used,
                                    cudaMemcpyDeviceToHost, stream));
   TWELL_CUDA_CHECK(cudaEventRecord(counters_ready_[slot], stream));
-  slot_facts_[slot] = {rows, hot == 0};
+  slot_facts_[slot] = {rows, hot, current_bucket_};
   ++twell_calls_;
 }
 
@@ -129,6 +138,13 @@ void SparseFfn::run(const bf16* x, int64_t rows, const DeviceFfnView& weights, b
     return ms;
   };
   read_counters();
+  if (recheck_density_) {
+    recheck_density_ = false;
+    run_path(kTwellPath, x, rows, weights, y, stream);
+    finish(kTwellPath);
+    return;
+  }
+  current_bucket_ = bucket_key(rows, last_nnz_per_row_);
   std::vector<float>& timing = bucket();
   if (timing[kTwellPath] < 0) {
     const float twell_ms = timed_run(kTwellPath, x, rows, weights, y, stream);
