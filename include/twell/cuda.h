@@ -159,9 +159,11 @@ class DenseFfn {
   DenseFfn(DenseFfn&&) noexcept;
   DenseFfn& operator=(DenseFfn&&) noexcept;
 
-  // Non-gated weights take relu only.
+  // Non-gated weights take relu only. add_to_y: y += the FFN (beta = 1 in the down GEMM). y_ready
+  // (if given): an event the down GEMM waits for, the only product that touches y, so that y's other
+  // producer (a split's TwELL part on another stream) runs beside the gate and up GEMMs.
   void run(const bf16* x, int64_t rows, const DeviceFfnView& weights, bf16* y, cudaStream_t stream = nullptr,
-           GateActivation activation = {});
+           GateActivation activation = {}, bool add_to_y = false, cudaEvent_t y_ready = nullptr);
   // Device bytes held beyond the inputs and outputs (workspace + intermediates).
   int64_t scratch_bytes() const;
 
@@ -192,11 +194,17 @@ class DenseFfn {
 // non-zero. A split call measures only its sparse part's density, so it does not update the layer's;
 // it is compared with the one its path saw when first run in the bucket, and when its density bucket
 // differs (the input changed), the next call runs plain TwELL to observe the layer's density again.
+// The two parts of a split run side by side (split_side_stream): TwELL writes y on the caller's
+// stream while the dense part's gate and up GEMMs run on a second stream of the op's own; only its
+// down GEMM waits for TwELL's y and adds to it. The tensor-core GEMMs and the L2-bound up+down kernel
+// then share the GPU instead of taking turns. The caller's stream waits for both before it goes on.
+class SideStream;  // src/cuda/cuda_utils.h
 struct SparseFfnOptions {
   int32_t tile = 128;
   int32_t compression = 4;
   bool allow_dense = true;  // false: never the all-dense path (benchmarks of the kernels themselves)
   std::vector<double> hot_fractions;  // each in (0, 1); empty: no split paths
+  bool split_side_stream = true;      // false: a split's parts one after the other on one stream
 };
 class SparseFfn {
  public:
@@ -249,6 +257,9 @@ class SparseFfn {
   int last_path_ = kTwellPath;
   int32_t last_hot_neurons_ = 0;
   cudaEvent_t start_ = nullptr, stop_ = nullptr;
+  // The split's dense part runs here, its down GEMM after twell_done_ (TwELL's y on the caller's stream).
+  std::unique_ptr<SideStream> side_;
+  cudaEvent_t twell_done_ = nullptr;
   Counters* counters_host_ = nullptr;             // pinned [kCounterSlots]
   cudaEvent_t counters_ready_[kCounterSlots] = {};  // recorded after each slot's copy
   SlotFacts slot_facts_[kCounterSlots] = {};

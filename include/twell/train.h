@@ -96,6 +96,10 @@ struct FfnTrainOptions {
   // those make most of the sparse path's non-zeros at a fraction of the dense FLOPs. 0: no split.
   // The dispatch compares the density of the whole gate either way.
   double hot_fraction = 0;
+  // The split's dense part on a second stream of the op's own, beside the sparse part: only its
+  // products that add into y (forward) and dx (backward) wait for the sparse part's. Its GEMMs then
+  // use the tensor cores while the sparse kernels wait on the L2. false: one after the other.
+  bool split_side_stream = true;
 };
 
 // Statistics of the last forward, read from the device (synchronises the stream).

@@ -33,4 +33,27 @@ const DeviceFacts& device_facts() {
   return facts;
 }
 
+SideStream::SideStream() {
+  TWELL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  TWELL_CUDA_CHECK(cudaEventCreateWithFlags(&main_mark_, cudaEventDisableTiming));
+  TWELL_CUDA_CHECK(cudaEventCreateWithFlags(&side_mark_, cudaEventDisableTiming));
+}
+
+SideStream::~SideStream() {
+  cudaStreamSynchronize(stream_);
+  cudaEventDestroy(side_mark_);
+  cudaEventDestroy(main_mark_);
+  cudaStreamDestroy(stream_);
+}
+
+void SideStream::wait_for(cudaStream_t main) {
+  TWELL_CUDA_CHECK(cudaEventRecord(main_mark_, main));
+  TWELL_CUDA_CHECK(cudaStreamWaitEvent(stream_, main_mark_));
+}
+
+void SideStream::join_into(cudaStream_t main) {
+  TWELL_CUDA_CHECK(cudaEventRecord(side_mark_, stream_));
+  TWELL_CUDA_CHECK(cudaStreamWaitEvent(main, side_mark_));
+}
+
 }  // namespace twell::cuda

@@ -94,6 +94,26 @@ const DeviceFacts& device_facts();
 // True when a CUDA device can be used; tests skip cleanly when false.
 bool gpu_available();
 
+// A second stream beside a caller's, for work that can run alongside the caller's own (a split FFN's
+// dense part beside its sparse part). Non-blocking, so it never waits for the legacy default stream.
+class SideStream {
+ public:
+  SideStream();
+  ~SideStream();
+  SideStream(const SideStream&) = delete;
+  SideStream& operator=(const SideStream&) = delete;
+
+  cudaStream_t get() const { return stream_; }
+  // Work queued on the side stream from now on waits for the work queued on `main` so far.
+  void wait_for(cudaStream_t main);
+  // Work queued on `main` from now on waits for the work queued on the side stream so far.
+  void join_into(cudaStream_t main);
+
+ private:
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t main_mark_ = nullptr, side_mark_ = nullptr;
+};
+
 // Launches `kernel` as a programmatic dependent launch (PDL): it may start while the stream's previous
 // kernel is still ending. The kernel must call wait_for_previous_grid() (cuda/warp_math.cuh) before it
 // reads or writes anything the previous kernels touch, and may call allow_dependent_grids() once every

@@ -58,7 +58,7 @@ int64_t DenseFfn::scratch_bytes() const {
 }
 
 void DenseFfn::run(const bf16* x, int64_t rows, const DeviceFfnView& weights, bf16* y, cudaStream_t stream,
-                   GateActivation activation) {
+                   GateActivation activation, bool add_to_y, cudaEvent_t y_ready) {
   TWELL_REQUIRE(rows >= 1, "DenseFfn: rows must be >= 1, got {}", rows);
   TWELL_REQUIRE(weights.gated || activation.kind == FfnActivation::relu,
                 "DenseFfn: a non-gated FFN takes relu only");
@@ -91,9 +91,10 @@ void DenseFfn::run(const bf16* x, int64_t rows, const DeviceFfnView& weights, bf
     }
     TWELL_CUDA_CHECK_LAUNCH();
   }
-  // y [M, D] = h [M, H] · Wd [H, D]
-  gemm.run(rows, d, h, {impl_->up.data(), h, false}, {weights.down, d, false}, y, d, GemmOutput::bf16, 0.0f,
-           stream);
+  // y [M, D] (+)= h [M, H] · Wd [H, D]
+  if (y_ready) TWELL_CUDA_CHECK(cudaStreamWaitEvent(stream, y_ready));
+  gemm.run(rows, d, h, {impl_->up.data(), h, false}, {weights.down, d, false}, y, d, GemmOutput::bf16,
+           add_to_y ? 1.0f : 0.0f, stream);
 }
 
 }  // namespace twell::cuda

@@ -19,11 +19,16 @@ SparseFfn::SparseFfn(SparseFfnOptions options) : options_(std::move(options)) {
   TWELL_CUDA_CHECK(cudaEventCreate(&stop_));
   TWELL_CUDA_CHECK(cudaMallocHost(&counters_host_, kCounterSlots * sizeof *counters_host_));
   for (cudaEvent_t& ready : counters_ready_) TWELL_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
+  if (options_.split_side_stream && !options_.hot_fractions.empty()) {
+    side_ = std::make_unique<SideStream>();
+    TWELL_CUDA_CHECK(cudaEventCreateWithFlags(&twell_done_, cudaEventDisableTiming));
+  }
 }
 
 SparseFfn::~SparseFfn() {
   cudaDeviceSynchronize();  // the pinned counters may still be written by the last calls
   for (cudaEvent_t ready : counters_ready_) cudaEventDestroy(ready);
+  if (twell_done_) cudaEventDestroy(twell_done_);
   cudaFreeHost(counters_host_);
   cudaEventDestroy(stop_);
   cudaEventDestroy(start_);
@@ -89,11 +94,22 @@ void SparseFfn::run_path(int path, const bf16* x, int64_t rows, const DeviceFfnV
     return;
   }
   const int32_t hot = hot_neurons(path, weights.d_hidden);
-  if (hot > 0) dense_.run(x, rows, weights.neurons(0, hot), y, stream);
+  const bool side_by_side = hot > 0 && side_ != nullptr;
+  if (side_by_side) {
+    side_->wait_for(stream);  // x
+  } else if (hot > 0) {
+    dense_.run(x, rows, weights.neurons(0, hot), y, stream);
+  }
   const DeviceFfnView sparse = weights.neurons(hot, weights.d_hidden);
   read_counters();  // also frees this call's slot
   gate_to_twell(x, rows, sparse, options_.tile, options_.compression, packed_, stream);
-  ffn_from_twell(x, packed_, sparse, y, stream, /*accumulate=*/hot > 0);
+  ffn_from_twell(x, packed_, sparse, y, stream, /*accumulate=*/hot > 0 && !side_by_side);
+  if (side_by_side) {
+    // TwELL first on the caller's stream: its chain (gate GEMM, then up+down) is the longer one.
+    TWELL_CUDA_CHECK(cudaEventRecord(twell_done_, stream));
+    dense_.run(x, rows, weights.neurons(0, hot), y, side_->get(), {}, /*add_to_y=*/true, twell_done_);
+    side_->join_into(stream);
+  }
   const int slot = static_cast<int>(twell_calls_ % kCounterSlots);
   Counters* counters = counters_host_ + slot;
   TWELL_CUDA_CHECK(

@@ -100,15 +100,18 @@ struct FfnTrainOp::State {
   const DeviceHybrid* gate = nullptr;
   int32_t backup_rows = 0;
 
-  // Split steps: the hot neurons' dense step (a state of path dense sharing this one's GEMMs),
-  // which adds into y and dx after the sparse step over the other neurons has written them.
+  // Split steps: the hot neurons' dense step (a state of path dense), which adds into y and dx once
+  // the sparse step over the other neurons has written them. On the side stream it has GEMMs (a
+  // cuBLASLt workspace) of its own; on the caller's stream it shares this state's.
   std::unique_ptr<State> hot;
+  std::unique_ptr<SideStream> side;
   int32_t hot_neurons = 0;  // of the last forward; 0 = no split
   int32_t step_hidden = 0;  // H of the last forward, all neurons
 
-  explicit State(FfnTrainOptions o, RowMajorGemm* shared_gemm = nullptr)
+  explicit State(FfnTrainOptions o, RowMajorGemm* shared_gemm = nullptr,
+                 size_t workspace_bytes = RowMajorGemm::kDefaultWorkspaceBytes)
       : options(o),
-        own_gemm(shared_gemm ? nullptr : std::make_unique<RowMajorGemm>()),
+        own_gemm(shared_gemm ? nullptr : std::make_unique<RowMajorGemm>(workspace_bytes)),
         gemm(shared_gemm ? *shared_gemm : *own_gemm) {
     TWELL_CUDA_CHECK(cudaMallocHost(&counters_host, sizeof(HybridCounters)));
     TWELL_CUDA_CHECK(cudaMallocHost(&stats_host, 2 * sizeof(double)));
@@ -199,12 +202,17 @@ struct FfnTrainOp::State {
   void sparse_forward(const bf16* x_in, int64_t m, const DeviceFfnView& w, const DeviceHybrid& g, int32_t b,
                       bf16* y, cudaStream_t stream);
   void sparse_backward(const bf16* dy, const DeviceFfnGrads& grads, cudaStream_t stream);
-  // accumulate: add to y (forward) and dx (backward) instead of overwriting them.
-  void dense_forward(const bf16* x_in, int64_t m, const DeviceFfnView& w, bf16* y, cudaStream_t stream,
-                     bool accumulate = false);
-  void dense_backward(const bf16* dy, const DeviceFfnGrads& grads, cudaStream_t stream, bool accumulate = false);
+  // The dense step in two parts each way: what needs only x (dy), and the product that writes y (dx).
+  // accumulate: add to y and dx instead of overwriting them.
+  void dense_forward_hidden(const bf16* x_in, int64_t m, const DeviceFfnView& w, cudaStream_t stream);
+  void dense_forward_output(bf16* y, cudaStream_t stream, bool accumulate);
+  void dense_backward_weights(const bf16* dy, const DeviceFfnGrads& grads, cudaStream_t stream);
+  void dense_backward_input(bf16* dx, cudaStream_t stream, bool accumulate);
   // The sparse step over all neurons, or over those past the hot ones plus the hot ones' dense step.
   void sparse_or_split_forward(const bf16* x_in, int64_t m, const DeviceFfnView& w, bf16* y, cudaStream_t stream);
+  void sparse_or_split_backward(const bf16* dy, const DeviceFfnGrads& grads, cudaStream_t stream);
+  // Where the split's dense part runs: the side stream, or the caller's.
+  cudaStream_t hot_stream(cudaStream_t stream) const { return side ? side->get() : stream; }
 };
 
 void FfnTrainOp::State::sparse_forward(const bf16* x_in, int64_t m, const DeviceFfnView& w, const DeviceHybrid& g,
@@ -279,8 +287,8 @@ void FfnTrainOp::State::sparse_backward(const bf16* dy, const DeviceFfnGrads& gr
            1.0f, stream);
 }
 
-void FfnTrainOp::State::dense_forward(const bf16* x_in, int64_t m, const DeviceFfnView& w, bf16* y,
-                                      cudaStream_t stream, bool accumulate) {
+void FfnTrainOp::State::dense_forward_hidden(const bf16* x_in, int64_t m, const DeviceFfnView& w,
+                                             cudaStream_t stream) {
   sparse = SparseBuffers{};
   const int32_t d = w.d_model, h = w.d_hidden;
   const int64_t hidden = m * h;
@@ -292,44 +300,84 @@ void FfnTrainOp::State::dense_forward(const bf16* x_in, int64_t m, const DeviceF
   gemm.run(m, h, d, {x_in, d, false}, {w.gate, d, true}, dense.g_pre.data(), h, GemmOutput::bf16, 0.0f, stream);
   gemm.run(m, h, d, {x_in, d, false}, {w.up, d, true}, dense.u.data(), h, GemmOutput::bf16, 0.0f, stream);
   gated_product_rows(dense.g_pre.data(), dense.u.data(), m, h, dense.h.data(), l1_row.data(), nnz_row.data(), stream);
-  gemm.run(m, d, h, {dense.h.data(), h, false}, {w.down, d, false}, y, d, GemmOutput::bf16, accumulate ? 1.0f : 0.0f,
-           stream);
-  finish_forward(m, nnz_row.data(), stream);
   remember(TrainPath::dense, x_in, m, w, nullptr, 0);
 }
 
-void FfnTrainOp::State::dense_backward(const bf16* dy, const DeviceFfnGrads& grads, cudaStream_t stream,
-                                       bool accumulate) {
+void FfnTrainOp::State::dense_forward_output(bf16* y, cudaStream_t stream, bool accumulate) {
+  const int32_t d = weights.d_model, h = weights.d_hidden;
+  gemm.run(rows, d, h, {dense.h.data(), h, false}, {weights.down, d, false}, y, d, GemmOutput::bf16,
+           accumulate ? 1.0f : 0.0f, stream);
+  finish_forward(rows, nnz_row.data(), stream);
+}
+
+void FfnTrainOp::State::dense_backward_weights(const bf16* dy, const DeviceFfnGrads& grads, cudaStream_t stream) {
   const DeviceFfnView& w = weights;
   const int32_t d = w.d_model, h = w.d_hidden;
   const int64_t m = rows;
   const float l1_scale = static_cast<float>(options.l1_coeff / static_cast<double>(m));
   dense.dh.resize(m * h);
   gemm.run(m, h, d, {dy, d, false}, {w.down, d, true}, dense.dh.data(), h, GemmOutput::bf16, 0.0f, stream);
+  // dg replaces u, du replaces dh.
   gated_product_grad_rows_in_place(dense.g_pre.data(), dense.u.data(), dense.dh.data(), m, h, l1_scale, stream);
-  const bf16* dg = dense.u.data();
-  const bf16* du = dense.dh.data();
-  gemm.run(m, d, h, {dg, h, false}, {w.gate, d, false}, grads.dx, d, GemmOutput::bf16, accumulate ? 1.0f : 0.0f,
-           stream);
-  gemm.run(m, d, h, {du, h, false}, {w.up, d, false}, grads.dx, d, GemmOutput::bf16, 1.0f, stream);
   gemm.run(h, d, m, {dense.h.data(), h, true}, {dy, d, false}, grads.d_down, d, GemmOutput::f32, 0.0f, stream);
-  gemm.run(h, d, m, {dg, h, true}, {x, d, false}, grads.d_gate, d, GemmOutput::f32, 0.0f, stream);
-  gemm.run(h, d, m, {du, h, true}, {x, d, false}, grads.d_up, d, GemmOutput::f32, 0.0f, stream);
+  gemm.run(h, d, m, {dense.u.data(), h, true}, {x, d, false}, grads.d_gate, d, GemmOutput::f32, 0.0f, stream);
+  gemm.run(h, d, m, {dense.dh.data(), h, true}, {x, d, false}, grads.d_up, d, GemmOutput::f32, 0.0f, stream);
+}
+
+void FfnTrainOp::State::dense_backward_input(bf16* dx, cudaStream_t stream, bool accumulate) {
+  const int32_t d = weights.d_model, h = weights.d_hidden;
+  gemm.run(rows, d, h, {dense.u.data(), h, false}, {weights.gate, d, false}, dx, d, GemmOutput::bf16,
+           accumulate ? 1.0f : 0.0f, stream);
+  gemm.run(rows, d, h, {dense.dh.data(), h, false}, {weights.up, d, false}, dx, d, GemmOutput::bf16, 1.0f, stream);
 }
 
 void FfnTrainOp::State::sparse_or_split_forward(const bf16* x_in, int64_t m, const DeviceFfnView& w, bf16* y,
                                                 cudaStream_t stream) {
   const int32_t hot_count = split_neurons(w.d_hidden);
-  const DeviceFfnView cold = hot_count > 0 ? w.neurons(hot_count, w.d_hidden) : w;
-  gate_to_twell(x_in, m, cold, options.tile, options.compression, sparse.own_twell, stream);
-  sparse_forward_from_twell(x_in, m, cold, sparse.own_twell, &cold, y, stream);
   hot_neurons = hot_count;
   if (hot_count == 0) {
     hot.reset();
+    side.reset();
+    gate_to_twell(x_in, m, w, options.tile, options.compression, sparse.own_twell, stream);
+    sparse_forward_from_twell(x_in, m, w, sparse.own_twell, &w, y, stream);
     return;
   }
-  if (!hot) hot = std::make_unique<State>(FfnTrainOptions{.l1_coeff = options.l1_coeff, .path = TrainPath::dense}, &gemm);
-  hot->dense_forward(x_in, m, w.neurons(0, hot_count), y, stream, /*accumulate=*/true);
+  if (options.split_side_stream && !side) {
+    side = std::make_unique<SideStream>();
+    hot.reset();
+  }
+  if (!hot) {
+    // Side by side the two parts need workspaces of their own; 8 MiB is all cuBLASLt asks for at these shapes.
+    const FfnTrainOptions dense_options{.l1_coeff = options.l1_coeff, .path = TrainPath::dense};
+    hot = side ? std::make_unique<State>(dense_options, nullptr, size_t{8} << 20)
+               : std::make_unique<State>(dense_options, &gemm);
+  }
+  const cudaStream_t hot_on = hot_stream(stream);
+  if (side) side->wait_for(stream);  // x
+  hot->dense_forward_hidden(x_in, m, w.neurons(0, hot_count), hot_on);
+  const DeviceFfnView cold = w.neurons(hot_count, w.d_hidden);
+  gate_to_twell(x_in, m, cold, options.tile, options.compression, sparse.own_twell, stream);
+  sparse_forward_from_twell(x_in, m, cold, sparse.own_twell, &cold, y, stream);
+  if (side) side->wait_for(stream);  // the sparse part's y
+  hot->dense_forward_output(y, hot_on, /*accumulate=*/true);
+  if (side) side->join_into(stream);
+}
+
+void FfnTrainOp::State::sparse_or_split_backward(const bf16* dy, const DeviceFfnGrads& grads, cudaStream_t stream) {
+  if (hot_neurons == 0) {
+    sparse_backward(dy, grads, stream);
+    return;
+  }
+  // The hot neurons' gradient rows come first; the sparse part's dx is written before the hot part adds to it.
+  const cudaStream_t hot_on = hot_stream(stream);
+  if (side) side->wait_for(stream);  // dy
+  hot->dense_backward_weights(dy, grads, hot_on);
+  const int64_t hot_elements = int64_t{hot_neurons} * weights.d_model;
+  sparse_backward(dy, {grads.dx, grads.d_gate + hot_elements, grads.d_up + hot_elements, grads.d_down + hot_elements},
+                  stream);
+  if (side) side->wait_for(stream);  // the sparse part's dx
+  hot->dense_backward_input(grads.dx, hot_on, /*accumulate=*/true);
+  if (side) side->join_into(stream);
 }
 
 FfnTrainOp::FfnTrainOp(FfnTrainOptions options) : state_(std::make_unique<State>(options)) {
@@ -386,7 +434,9 @@ void FfnTrainOp::forward(const bf16* x, int64_t rows, const DeviceFfnView& weigh
   if (path == TrainPath::dense) {
     s.hot_neurons = 0;
     s.hot.reset();
-    s.dense_forward(x, rows, w, y, stream);
+    s.side.reset();
+    s.dense_forward_hidden(x, rows, w, stream);
+    s.dense_forward_output(y, stream, /*accumulate=*/false);
   } else {
     s.sparse_or_split_forward(x, rows, w, y, stream);
   }
@@ -402,7 +452,8 @@ void FfnTrainOp::forward(const bf16* x, int64_t rows, const DeviceFfnView& weigh
   const TrainPath path = s.resolve_path();
   s.step_hidden = w.d_hidden;
   if (path == TrainPath::dense) {
-    s.dense_forward(x, rows, w, y, stream);
+    s.dense_forward_hidden(x, rows, w, stream);
+    s.dense_forward_output(y, stream, /*accumulate=*/false);
     return;
   }
   s.sparse_forward_from_twell(x, rows, w, gate, /*repack_with=*/nullptr, y, stream);
@@ -432,14 +483,11 @@ void FfnTrainOp::backward(const bf16* dy, const DeviceFfnGrads& grads, cudaStrea
   TWELL_REQUIRE(dy && grads.dx && grads.d_gate && grads.d_up && grads.d_down,
                 "backward needs dy and all four gradient outputs, got a null pointer");
   if (s.path == TrainPath::dense) {
-    s.dense_backward(dy, grads, stream);
+    s.dense_backward_weights(dy, grads, stream);
+    s.dense_backward_input(grads.dx, stream, /*accumulate=*/false);
     return;
   }
-  // A split: the sparse part's gradient rows follow the hot ones; its dx is the first written.
-  const int64_t hot_elements = int64_t{s.hot_neurons} * s.weights.d_model;
-  s.sparse_backward(dy, {grads.dx, grads.d_gate + hot_elements, grads.d_up + hot_elements, grads.d_down + hot_elements},
-                    stream);
-  if (s.hot_neurons > 0) s.hot->dense_backward(dy, grads, stream, /*accumulate=*/true);
+  s.sparse_or_split_backward(dy, grads, stream);
 }
 
 FfnTrainStats FfnTrainOp::stats(cudaStream_t stream) const {

@@ -322,6 +322,8 @@ void add_bench_ffn(CLI::App& bench) {
   command->add_flag("!--non-gated", options->gated, "non-gated FFN: y = relu(x·Wu^T)·Wd");
   command->add_option("--tile", options->tile, "TwELL tile width T (128 or 256)")->capture_default_str();
   command->add_option("--compression", options->compression, "TwELL compression C (2, 4 or 8)")->capture_default_str();
+  command->add_flag("!--split-one-stream", options->split_side_stream,
+                    "cuda: a split's dense and TwELL parts one after the other on one stream (default: side by side)");
   command->add_option("--threads", options->threads, "CPU threads, 0 = all cores")->capture_default_str();
   command->add_option("--isa", options->isa, "CPU kernels: scalar, avx2 or avx512 (default: the best this CPU has)");
   command->add_option("--clock", options->clock,

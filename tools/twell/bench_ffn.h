@@ -26,6 +26,7 @@ struct FfnBenchOptions {
   bool gated = true;
   int32_t tile = 128;         // TwELL T
   int32_t compression = 4;    // TwELL C
+  bool split_side_stream = true;  // CUDA split paths: dense part on a second stream (SparseFfnOptions)
   int threads = 0;            // CPU threads, 0 = all cores
   std::string isa;            // CPU ISA override ("scalar", "avx2", "avx512"); empty = best
   std::string clock = "wall";  // CPU: "wall", or "thread-cpu" (one thread only; see timing.h)

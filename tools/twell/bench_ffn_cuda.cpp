@@ -104,12 +104,14 @@ const std::vector<double> kHotFractions = {0.125, 0.25, 0.375, 0.5};
 class CudaTwell : public CudaImpl {
  public:
   enum class Kind { twell, split, automatic };
-  CudaTwell(int32_t tile, int32_t compression, Kind kind)
-      : ffn_({.tile = tile,
-              .compression = compression,
+  CudaTwell(const FfnBenchOptions& options, Kind kind)
+      : ffn_({.tile = options.tile,
+              .compression = options.compression,
               .allow_dense = kind == Kind::automatic,
-              .hot_fractions = kind == Kind::twell ? std::vector<double>{} : kHotFractions}),
-        kind_(kind) {}
+              .hot_fractions = kind == Kind::twell ? std::vector<double>{} : kHotFractions,
+              .split_side_stream = options.split_side_stream}),
+        kind_(kind),
+        split_side_stream_(options.split_side_stream) {}
   std::string name() const override {
     return kind_ == Kind::twell ? "twell" : kind_ == Kind::split ? "twell_split" : "twell_auto";
   }
@@ -119,7 +121,9 @@ class CudaTwell : public CudaImpl {
   // path the last call took.
   nlohmann::json extra_measurements(int reps) override {
     if (kind_ != Kind::twell)
-      return {{"hot_neurons", ffn_.last_hot_neurons()}, {"dense", ffn_.last_call_was_dense()}};
+      return {{"hot_neurons", ffn_.last_hot_neurons()},
+              {"dense", ffn_.last_call_was_dense()},
+              {"split_side_stream", split_side_stream_}};
     cuda::DeviceTwell packed;
     const int32_t tile = ffn_.packed().shape.tile, compression = ffn_.packed().shape.compression;
     cuda::gate_to_twell_complete(inputs_[0].get(), rows_, weights_, tile, compression, packed);
@@ -139,6 +143,7 @@ class CudaTwell : public CudaImpl {
   bool sorts_neurons() const override { return kind_ != Kind::twell; }
   cuda::SparseFfn ffn_;
   Kind kind_;
+  bool split_side_stream_;
 };
 
 }  // namespace
@@ -149,7 +154,7 @@ FfnBenchDevice make_cuda_ffn_bench(const FfnBenchOptions& options) {
   device.model = cuda::device_name();
   device.impls.push_back(std::make_unique<CudaDense>());
   for (CudaTwell::Kind kind : {CudaTwell::Kind::twell, CudaTwell::Kind::split, CudaTwell::Kind::automatic})
-    device.impls.push_back(std::make_unique<CudaTwell>(options.tile, options.compression, kind));
+    device.impls.push_back(std::make_unique<CudaTwell>(options, kind));
   return device;
 }
 
