@@ -122,18 +122,22 @@ TEST_F(CudaFfnFromTwell, SplitPathsOnSortedWeightsGiveTheFfn) {
   const std::vector<float> calibration = make_activations(512, spec.d_model, 29);
   const cuda::DeviceFfnWeights sorted = cuda::upload_weights(sort_neurons_by_activity(
       d.work.weights, cpu::count_active_neurons(calibration.data(), 512, d.work.weights)));
-  cuda::SparseFfn ffn({.tile = 128, .compression = 4, .allow_dense = true, .hot_fractions = {0.125, 0.5, 0.95}});
   const size_t count = d.work.x.size();
   const cuda::DeviceArray<bf16> y = cuda::make_device_array<bf16>(count);
-  std::set<int32_t> hot_seen;
-  for (int call = 0; call < 7; ++call) {
-    ASSERT_EQ(cudaMemset(y.get(), 0xff, count * sizeof(bf16)), cudaSuccess);
-    ffn.run(d.x.get(), spec.rows, sorted, y.get());
-    SCOPED_TRACE(testing::Message() << "call " << call << ", hot neurons " << ffn.last_hot_neurons());
-    EXPECT_LT(error_of(d, y), 1e-2);
-    hot_seen.insert(ffn.last_hot_neurons());
+  for (const bool side_stream : {true, false}) {
+    cuda::SparseFfn ffn({.tile = 128, .compression = 4, .allow_dense = true, .hot_fractions = {0.125, 0.5, 0.95},
+                         .split_side_stream = side_stream});
+    std::set<int32_t> hot_seen;
+    for (int call = 0; call < 7; ++call) {
+      ASSERT_EQ(cudaMemset(y.get(), 0xff, count * sizeof(bf16)), cudaSuccess);
+      ffn.run(d.x.get(), spec.rows, sorted, y.get());
+      SCOPED_TRACE(testing::Message() << "side stream " << side_stream << ", call " << call << ", hot neurons "
+                                      << ffn.last_hot_neurons());
+      EXPECT_LT(error_of(d, y), 1e-2);
+      hot_seen.insert(ffn.last_hot_neurons());
+    }
+    EXPECT_EQ(hot_seen, (std::set<int32_t>{0, 128, 512, 1024}));  // whole tiles of 128
   }
-  EXPECT_EQ(hot_seen, (std::set<int32_t>{0, 128, 512, 1024}));  // whole tiles of 128
   EXPECT_THROW(cuda::SparseFfn({.hot_fractions = {1.0}}), Error);
 }
 
