@@ -100,9 +100,6 @@ struct FfnTrainOptions {
   // products that add into y (forward) and dx (backward) wait for the sparse part's. Its GEMMs then
   // use the tensor cores while the sparse kernels wait on the L2. false: one after the other.
   bool split_side_stream = true;
-  // Side by side, the dense part's GEMMs planned for this many SMs (0: all), so that the sparse
-  // kernels find SMs free while they run.
-  int32_t split_side_sms = 0;
 };
 
 // Statistics of the last forward, read from the device (synchronises the stream).

@@ -18,8 +18,7 @@ struct RowMajorGemm::Plan {
   }
 };
 
-RowMajorGemm::RowMajorGemm(size_t workspace_bytes, int32_t sm_count_target) : sm_count_target_(sm_count_target) {
-  TWELL_REQUIRE(sm_count_target >= 0, "sm_count_target must be >= 0, got {}", sm_count_target);
+RowMajorGemm::RowMajorGemm(size_t workspace_bytes) {
   TWELL_CUBLAS_CHECK(cublasLtCreate(&handle_));
   workspace_.resize(workspace_bytes);
 }
@@ -63,9 +62,6 @@ void RowMajorGemm::run(int64_t m, int64_t n, int64_t k, GemmOperand a, GemmOpera
         epilogue == GemmEpilogue::relu ? CUBLASLT_EPILOGUE_RELU : CUBLASLT_EPILOGUE_DEFAULT;
     TWELL_CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &lt_epilogue, sizeof lt_epilogue));
-    if (sm_count_target_ > 0)
-      TWELL_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET,
-                                                        &sm_count_target_, sizeof sm_count_target_));
     // Column-major shapes of the stored matrices.
     // B stored row-major [k, n] (or [n, k] when transposed) = column-major [n, k] (or [k, n]).
     TWELL_CUBLAS_CHECK(

@@ -38,9 +38,7 @@ class RowMajorGemm {
  public:
   // cuBLASLt may use up to workspace_bytes of device memory per call (split-K partials and the like).
   static constexpr size_t kDefaultWorkspaceBytes = 32u << 20;
-  // sm_count_target > 0: cuBLASLt plans each GEMM for that many SMs (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET),
-  // leaving the others to kernels running beside it on another stream; 0: all of them.
-  explicit RowMajorGemm(size_t workspace_bytes = kDefaultWorkspaceBytes, int32_t sm_count_target = 0);
+  explicit RowMajorGemm(size_t workspace_bytes = kDefaultWorkspaceBytes);
   ~RowMajorGemm();
   RowMajorGemm(const RowMajorGemm&) = delete;
   RowMajorGemm& operator=(const RowMajorGemm&) = delete;
@@ -58,7 +56,6 @@ class RowMajorGemm {
                          GemmEpilogue, int32_t, int64_t, int64_t, int64_t>;
   cublasLtHandle_t handle_ = nullptr;
   DeviceBuffer<uint8_t> workspace_;
-  int32_t sm_count_target_ = 0;
   std::map<Key, std::unique_ptr<Plan>> plans_;
 };
 

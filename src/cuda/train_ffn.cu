@@ -109,9 +109,9 @@ struct FfnTrainOp::State {
   int32_t step_hidden = 0;  // H of the last forward, all neurons
 
   explicit State(FfnTrainOptions o, RowMajorGemm* shared_gemm = nullptr,
-                 size_t workspace_bytes = RowMajorGemm::kDefaultWorkspaceBytes, int32_t sm_count_target = 0)
+                 size_t workspace_bytes = RowMajorGemm::kDefaultWorkspaceBytes)
       : options(o),
-        own_gemm(shared_gemm ? nullptr : std::make_unique<RowMajorGemm>(workspace_bytes, sm_count_target)),
+        own_gemm(shared_gemm ? nullptr : std::make_unique<RowMajorGemm>(workspace_bytes)),
         gemm(shared_gemm ? *shared_gemm : *own_gemm) {
     TWELL_CUDA_CHECK(cudaMallocHost(&counters_host, sizeof(HybridCounters)));
     TWELL_CUDA_CHECK(cudaMallocHost(&stats_host, 2 * sizeof(double)));
@@ -349,7 +349,7 @@ void FfnTrainOp::State::sparse_or_split_forward(const bf16* x_in, int64_t m, con
   if (!hot) {
     // Side by side the two parts need workspaces of their own; 8 MiB is all cuBLASLt asks for at these shapes.
     const FfnTrainOptions dense_options{.l1_coeff = options.l1_coeff, .path = TrainPath::dense};
-    hot = side ? std::make_unique<State>(dense_options, nullptr, size_t{8} << 20, options.split_side_sms)
+    hot = side ? std::make_unique<State>(dense_options, nullptr, size_t{8} << 20)
                : std::make_unique<State>(dense_options, &gemm);
   }
   const cudaStream_t hot_on = hot_stream(stream);
@@ -385,8 +385,6 @@ FfnTrainOp::FfnTrainOp(FfnTrainOptions options) : state_(std::make_unique<State>
   TWELL_REQUIRE(options.ell_width >= 0, "ell_width must be >= 0 (0 = automatic), got {}", options.ell_width);
   TWELL_REQUIRE(options.expected_density >= 0 && options.expected_density <= 1,
                 "expected_density must be in [0, 1], got {}", options.expected_density);
-  TWELL_REQUIRE(options.split_side_sms >= 0, "split_side_sms must be >= 0 (0 = all SMs), got {}",
-                options.split_side_sms);
   TWELL_REQUIRE(options.hot_fraction >= 0 && options.hot_fraction < 1, "hot_fraction must be in [0, 1), got {}",
                 options.hot_fraction);
 }

@@ -38,7 +38,6 @@ struct TrainBenchOptions {
   std::vector<double> hot_fractions = {0.25, 0.375, 0.5};  // split: one run each
   double split_dense_above = 0.03;                        // split-auto: its dispatch threshold
   bool split_side_stream = true;                          // FfnTrainOptions::split_side_stream
-  int32_t split_side_sms = 0;                             // FfnTrainOptions::split_side_sms
   double l1_coeff = 0.01;
   int warmup = 3;
   int reps = 10;
@@ -204,8 +203,7 @@ void run_cuda(const TrainBenchOptions& o) {
                              .dense_above_density = impl == "split-auto" ? o.split_dense_above
                                                                         : cuda::FfnTrainOptions{}.dense_above_density,
                              .hot_fraction = hot_fraction,
-                             .split_side_stream = o.split_side_stream,
-                             .split_side_sms = o.split_side_sms});
+                             .split_side_stream = o.split_side_stream});
         const auto train_step = [&] {
           op.forward(x_device.get(), m, device_weights_run, y.get(), stream);
           op.backward(dy_device.get(), grads, stream);
@@ -239,7 +237,6 @@ void run_cuda(const TrainBenchOptions& o) {
                    {"hot_fraction", hot_fraction},
                    {"hot_neurons", stats.hot_neurons},
                    {"split_side_stream", o.split_side_stream},
-                   {"split_side_sms", o.split_side_sms},
                    {"speedup_vs_dense", speedup},
                    {"held_fraction_of_dense", memory_fraction},
                    {"ell_width", stats.ell_width},
@@ -289,8 +286,6 @@ void add_bench_ffn_train(CLI::App& bench) {
                       "split-auto: density of the gate above which a step runs all dense");
   command->add_flag("!--split-one-stream", options->split_side_stream,
                     "split: the dense and sparse parts one after the other on one stream (default: side by side)");
-  command->add_option("--split-side-sms", options->split_side_sms,
-                      "split side by side: SMs the dense part's GEMMs are planned for (0 = all)");
   command->add_option("--l1", options->l1_coeff, "L1 coefficient on h");
   command->add_option("--warmup", options->warmup, "untimed steps first");
   command->add_option("--reps", options->reps, "timed steps");
