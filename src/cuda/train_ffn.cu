@@ -208,6 +208,15 @@ struct FfnTrainOp::State {
   void dense_forward_output(bf16* y, cudaStream_t stream, bool accumulate);
   void dense_backward_weights(const bf16* dy, const DeviceFfnGrads& grads, cudaStream_t stream);
   void dense_backward_input(bf16* dx, cudaStream_t stream, bool accumulate);
+  // The whole dense step each way (the dense path).
+  void dense_forward(const bf16* x_in, int64_t m, const DeviceFfnView& w, bf16* y, cudaStream_t stream) {
+    dense_forward_hidden(x_in, m, w, stream);
+    dense_forward_output(y, stream, /*accumulate=*/false);
+  }
+  void dense_backward(const bf16* dy, const DeviceFfnGrads& grads, cudaStream_t stream) {
+    dense_backward_weights(dy, grads, stream);
+    dense_backward_input(grads.dx, stream, /*accumulate=*/false);
+  }
   // The sparse step over all neurons, or over those past the hot ones plus the hot ones' dense step.
   void sparse_or_split_forward(const bf16* x_in, int64_t m, const DeviceFfnView& w, bf16* y, cudaStream_t stream);
   void sparse_or_split_backward(const bf16* dy, const DeviceFfnGrads& grads, cudaStream_t stream);
@@ -337,15 +346,12 @@ void FfnTrainOp::State::sparse_or_split_forward(const bf16* x_in, int64_t m, con
   hot_neurons = hot_count;
   if (hot_count == 0) {
     hot.reset();
-    side.reset();
     gate_to_twell(x_in, m, w, options.tile, options.compression, sparse.own_twell, stream);
     sparse_forward_from_twell(x_in, m, w, sparse.own_twell, &w, y, stream);
     return;
   }
-  if (options.split_side_stream && !side) {
-    side = std::make_unique<SideStream>();
-    hot.reset();
-  }
+  // Kept across steps once made: a dense step frees the hot state's activations, not the stream.
+  if (options.split_side_stream && !side) side = std::make_unique<SideStream>();
   if (!hot) {
     // Side by side the two parts need workspaces of their own; 8 MiB is all cuBLASLt asks for at these shapes.
     const FfnTrainOptions dense_options{.l1_coeff = options.l1_coeff, .path = TrainPath::dense};
@@ -434,9 +440,7 @@ void FfnTrainOp::forward(const bf16* x, int64_t rows, const DeviceFfnView& weigh
   if (path == TrainPath::dense) {
     s.hot_neurons = 0;
     s.hot.reset();
-    s.side.reset();
-    s.dense_forward_hidden(x, rows, w, stream);
-    s.dense_forward_output(y, stream, /*accumulate=*/false);
+    s.dense_forward(x, rows, w, y, stream);
   } else {
     s.sparse_or_split_forward(x, rows, w, y, stream);
   }
@@ -452,8 +456,7 @@ void FfnTrainOp::forward(const bf16* x, int64_t rows, const DeviceFfnView& weigh
   const TrainPath path = s.resolve_path();
   s.step_hidden = w.d_hidden;
   if (path == TrainPath::dense) {
-    s.dense_forward_hidden(x, rows, w, stream);
-    s.dense_forward_output(y, stream, /*accumulate=*/false);
+    s.dense_forward(x, rows, w, y, stream);
     return;
   }
   s.sparse_forward_from_twell(x, rows, w, gate, /*repack_with=*/nullptr, y, stream);
@@ -483,8 +486,7 @@ void FfnTrainOp::backward(const bf16* dy, const DeviceFfnGrads& grads, cudaStrea
   TWELL_REQUIRE(dy && grads.dx && grads.d_gate && grads.d_up && grads.d_down,
                 "backward needs dy and all four gradient outputs, got a null pointer");
   if (s.path == TrainPath::dense) {
-    s.dense_backward_weights(dy, grads, stream);
-    s.dense_backward_input(grads.dx, stream, /*accumulate=*/false);
+    s.dense_backward(dy, grads, stream);
     return;
   }
   s.sparse_or_split_backward(dy, grads, stream);
