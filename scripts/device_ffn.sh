@@ -71,7 +71,7 @@ if step grid; then
 fi
 if step train; then
   # The training step (twell bench ffn-train) on issue 6's shapes (TRAIN_M), every implementation.
-  "$bin/twell" bench ffn-train --device cuda --m ${TRAIN_M:-16384,65536} --impl dense,sparse,auto,split,split-auto \
+  "$bin/twell" bench ffn-train --device cuda --m ${TRAIN_M:-16384,65536} --impl ${TRAIN_IMPL:-dense,sparse,auto,split} \
     --hot-fraction ${TRAIN_HOT:-0.25,0.375,0.5} --json "$out/train.json" 2>&1 | tee -a "$log" || status=1
 fi
 exit $status

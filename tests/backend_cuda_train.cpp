@@ -4,7 +4,10 @@
 // the dense path, and the op fed by the CUDA gate kernel. Skipped without a GPU.
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <random>
+#include <set>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -310,7 +313,7 @@ TEST(CudaTrainOp, GateKernelAndAutomaticDispatch) {
     const cuda::DeviceFfnWeights weights = cuda::upload_weights(w.weights);
     const cuda::DeviceArray<bf16> x = cuda::upload_bf16(w.x.data(), w.x.size());
     const cuda::DeviceArray<bf16> dy_device = cuda::upload_bf16(dy.data(), dy.size());
-    cuda::FfnTrainOp op({.l1_coeff = 0.01, .expected_density = 0.01, .dense_above_density = 0.1});
+    cuda::FfnTrainOp op({.l1_coeff = 0.01, .expected_density = 0.01, .dense_above_density = 0.1, .hot_fractions = {}});
     for (int step = 0; step < 3; ++step) {
       cuda::DeviceArray<bf16> y = poisoned_bf16(w.x.size());
       DeviceGrads grads(200, 256, 1024);
@@ -333,6 +336,51 @@ TEST(CudaTrainOp, GateKernelAndAutomaticDispatch) {
   }
 }
 
+// The timed dispatch (default options): each candidate (dense, sparse, the four splits) runs its
+// steps, every step exact whatever it took; then the op settles on one and stays there.
+TEST(CudaTrainOp, TimedDispatchTriesEveryCandidateThenSettles) {
+  if (!cuda::available()) GTEST_SKIP() << "no CUDA device";
+  const int64_t m = 200;
+  const int32_t d = 256, h = 1024;
+  const Workload w = make_workload({.rows = m, .d_model = d, .d_hidden = h, .density = 0.02, .seed = 7});
+  const std::vector<float> dy = random_bf16_values(w.x.size(), 9);
+  const cuda::DeviceFfnWeights weights = cuda::upload_weights(w.weights);
+  const cuda::DeviceArray<bf16> x = cuda::upload_bf16(w.x.data(), w.x.size());
+  const cuda::DeviceArray<bf16> dy_device = cuda::upload_bf16(dy.data(), dy.size());
+  const TwellMatrix gate = ref::gate_to_twell(w.x.data(), m, w.weights, 128, 4);
+  const Reference ref = reference_for(w, hybrid_from_twell(gate, 1), dy, 0.01);
+  cuda::FfnTrainOp op({.l1_coeff = 0.01});
+  ASSERT_EQ(cuda::FfnTrainOptions{}.hot_fractions.size(), 4u);
+  std::set<std::pair<cuda::TrainPath, int32_t>> seen;
+  std::optional<std::pair<cuda::TrainPath, int32_t>> settled_on;
+  int settled_step = 0, step = 0;
+  for (; step < 40; ++step) {
+    SCOPED_TRACE(testing::Message() << "step " << step);
+    cuda::DeviceArray<bf16> y = poisoned_bf16(w.x.size());
+    DeviceGrads grads(m, d, h);
+    op.forward(x.get(), m, weights, y.get(), nullptr);
+    op.backward(dy_device.get(), grads.view(), nullptr);
+    const cuda::FfnTrainStats stats = op.stats(nullptr);
+    const std::pair<cuda::TrainPath, int32_t> taken{stats.path, stats.hot_neurons};
+    seen.insert(taken);
+    expect_matches(ref, cuda::download_bf16(y.get(), w.x.size()), cuda::download_bf16(grads.dx.get(), w.x.size()),
+                   download_floats(grads.d_gate.get(), int64_t{h} * d), download_floats(grads.d_up.get(), int64_t{h} * d),
+                   download_floats(grads.d_down.get(), int64_t{h} * d), stats, kDenseTolerance);
+    if (settled_on) EXPECT_EQ(taken, *settled_on);
+    if (!settled_on && op.dispatch_settled()) {
+      settled_on = taken;
+      settled_step = step;
+    }
+    if (settled_on && step >= settled_step + 3) break;
+  }
+  ASSERT_TRUE(settled_on.has_value()) << "no choice after " << step << " steps";
+  // round(f·1024 / 64)·64 for f = 0.125, 0.25, 0.35, 0.45
+  const std::set<std::pair<cuda::TrainPath, int32_t>> candidates = {
+      {cuda::TrainPath::dense, 0},   {cuda::TrainPath::sparse, 0},   {cuda::TrainPath::sparse, 128},
+      {cuda::TrainPath::sparse, 256}, {cuda::TrainPath::sparse, 384}, {cuda::TrainPath::sparse, 448}};
+  EXPECT_EQ(seen, candidates);
+}
+
 TEST(CudaTrainOp, RefusesBadInput) {
   if (!cuda::available()) GTEST_SKIP() << "no CUDA device";
   const Workload w = make_workload({.rows = 4, .d_model = 64, .d_hidden = 128, .density = 0.1, .gated = false});
@@ -345,7 +393,9 @@ TEST(CudaTrainOp, RefusesBadInput) {
   EXPECT_THROW(op.backward(x.get(), grads.view(), nullptr), Error);  // no forward yet
   EXPECT_THROW(cuda::FfnTrainOp({.l1_coeff = -1}), Error);
   EXPECT_THROW(cuda::FfnTrainOp({.hot_fraction = 1.0}), Error);
-  cuda::FfnTrainOp split({.hot_fraction = 0.5});
+  EXPECT_THROW(cuda::FfnTrainOp({.hot_fractions = {0.2, 1.0}}), Error);
+  EXPECT_THROW(cuda::FfnTrainOp({.hot_fraction = 0.5}), Error);  // automatic: fixed split and timed splits both
+  cuda::FfnTrainOp split({.path = cuda::TrainPath::sparse, .hot_fraction = 0.5});
   const Workload gated = make_workload({.rows = 4, .d_model = 64, .d_hidden = 128, .density = 0.1});
   const cuda::DeviceFfnWeights gated_weights = test::upload_weights_any_width(gated.weights);
   cuda::DeviceTwell packed;

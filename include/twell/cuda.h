@@ -215,6 +215,10 @@ class SparseFfn {
   bool last_call_was_dense() const { return last_path_ == kDensePath; }
   // Neurons the last call ran densely ahead of TwELL (0: plain TwELL, or all-dense).
   int32_t last_hot_neurons() const { return last_hot_neurons_; }
+  // Whether the last call was one of the dispatch's own measurements (a path's timed runs, or
+  // TwELL run to see the density again) rather than the chosen path: a benchmark of the steady
+  // state warms up until such calls stop.
+  bool last_call_measured() const { return last_call_measured_; }
   const DeviceTwell& packed() const { return packed_; }
   int64_t scratch_bytes() const;
 
@@ -256,6 +260,7 @@ class SparseFfn {
   bool recheck_density_ = false;  // a split call saw another density: the next call runs TwELL
   int last_path_ = kTwellPath;
   int32_t last_hot_neurons_ = 0;
+  bool last_call_measured_ = false;
   cudaEvent_t start_ = nullptr, stop_ = nullptr;
   // The split's dense part runs here, its down GEMM after twell_done_ (TwELL's y on the caller's stream).
   std::unique_ptr<SideStream> side_;

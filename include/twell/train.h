@@ -15,8 +15,9 @@
 // count, which sizes the cuBLASLt calls; one more in the rare step whose backup or TwELL spill
 // must grow), none on the dense path; the backward never waits.
 //
-// Dispatch: the op runs the sparse path, or the dense cuBLASLt path (9 GEMMs) where sparse is
-// slower, judged from the density of the previous step (or the caller's first estimate).
+// Dispatch: the op runs the sparse path, a split (hot neurons dense, the rest sparse), or the dense
+// cuBLASLt path (9 GEMMs), whichever its first steps at this size and density measured fastest
+// (FfnTrainOptions::hot_fractions); or by a density threshold judged from the previous step.
 //
 // Layouts: weights canonical neuron-major [H, D] (host_tensors.h), bf16 on the device (cuda.h);
 // x, y, dy, dx bf16 [M, D]; weight gradients fp32 [H, D].
@@ -25,6 +26,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <cuda_runtime.h>
 
@@ -96,6 +98,13 @@ struct FfnTrainOptions {
   // those make most of the sparse path's non-zeros at a fraction of the dense FLOPs. 0: no split.
   // The dispatch compares the density of the whole gate either way.
   double hot_fraction = 0;
+  // Automatic path, where not empty: each bucket of steps (rows and density within a factor of 2)
+  // times its first steps on the dense path, the sparse path and a split at each of these fractions
+  // of H, forward and backward timed apart, then runs the fastest (dense_above_density and
+  // hot_fraction are not used). A split only pays on weights whose most active neurons come first;
+  // elsewhere it loses the trial. The trial costs each candidate 4 steps per bucket. Empty: the
+  // threshold rule. The forwards from a given gate packing use the threshold rule either way.
+  std::vector<double> hot_fractions = {0.125, 0.25, 0.35, 0.45};
   // The split's dense part on a second stream of the op's own, beside the sparse part: only its
   // products that add into y (forward) and dx (backward) wait for the sparse part's. Its GEMMs then
   // use the tensor cores while the sparse kernels wait on the L2. false: one after the other.
@@ -133,6 +142,9 @@ class FfnTrainOp {
   void backward(const bf16* dy, const DeviceFfnGrads& grads, cudaStream_t stream);
 
   FfnTrainStats stats(cudaStream_t stream) const;
+  // Whether the timed dispatch (hot_fractions) has chosen for the bucket of the latest step; true
+  // for the other dispatch rules.
+  bool dispatch_settled() const;
   // Device memory the op holds now (activations kept for the backward, scratch, cuBLASLt
   // workspace): the extra memory of training this FFN beyond inputs, weights and outputs.
   int64_t held_bytes() const;

@@ -139,9 +139,10 @@ float SparseFfn::timed_run(int path, const bf16* x, int64_t rows, const DeviceFf
 }
 
 void SparseFfn::run(const bf16* x, int64_t rows, const DeviceFfnView& weights, bf16* y, cudaStream_t stream) {
-  const auto finish = [&](int path) {
+  const auto finish = [&](int path, bool measured = false) {
     last_path_ = path;
     last_hot_neurons_ = hot_neurons(path, weights.d_hidden);
+    last_call_measured_ = measured;
   };
   if (!options_.allow_dense && options_.hot_fractions.empty()) {
     run_path(kTwellPath, x, rows, weights, y, stream);
@@ -157,7 +158,7 @@ void SparseFfn::run(const bf16* x, int64_t rows, const DeviceFfnView& weights, b
   if (recheck_density_) {
     recheck_density_ = false;
     run_path(kTwellPath, x, rows, weights, y, stream);
-    finish(kTwellPath);
+    finish(kTwellPath, /*measured=*/true);
     return;
   }
   current_bucket_ = bucket_key(rows, last_nnz_per_row_);
@@ -169,7 +170,7 @@ void SparseFfn::run(const bf16* x, int64_t rows, const DeviceFfnView& weights, b
     read_counters();  // the timed runs synchronized: the newest slot is this call's
     std::vector<float>& measured = bucket();
     if (measured[kTwellPath] < 0) measured[kTwellPath] = twell_ms;
-    finish(kTwellPath);
+    finish(kTwellPath, /*measured=*/true);
     return;
   }
   for (int path = kDensePath; path < path_count(); ++path) {
@@ -179,7 +180,7 @@ void SparseFfn::run(const bf16* x, int64_t rows, const DeviceFfnView& weights, b
       continue;
     }
     timing[path] = timed_run(path, x, rows, weights, y, stream);
-    finish(path);
+    finish(path, /*measured=*/true);
     return;
   }
   const int best = static_cast<int>(std::min_element(timing.begin(), timing.end()) - timing.begin());

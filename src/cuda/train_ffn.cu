@@ -1,9 +1,12 @@
 // The training FFN op: sparse path (hybrid gate, sampled products, per-neuron weight gradients,
-// backup rows through cuBLASLt) and dense path (cuBLASLt), with the dispatch between them.
+// backup rows through cuBLASLt), dense path (cuBLASLt) and split steps, with the dispatch between them.
 #include <algorithm>
 #include <cmath>
+#include <utility>
+#include <vector>
 
 #include "cuda/gemm.h"
+#include "cuda/timed_choice.h"
 #include "cuda/train_kernels.cuh"
 #include "twell/error.h"
 #include "twell/train.h"
@@ -108,6 +111,11 @@ struct FfnTrainOp::State {
   int32_t hot_neurons = 0;  // of the last forward; 0 = no split
   int32_t step_hidden = 0;  // H of the last forward, all neurons
 
+  // The timed dispatch (options.hot_fractions): candidate 0 the dense path, 1 the sparse path, 2 + k
+  // the split at hot_fractions[k]; steps bucketed by rows and density.
+  std::unique_ptr<TimedChoice> timed;
+  int64_t timed_bucket = -1;  // of the latest step
+
   explicit State(FfnTrainOptions o, RowMajorGemm* shared_gemm = nullptr,
                  size_t workspace_bytes = RowMajorGemm::kDefaultWorkspaceBytes)
       : options(o),
@@ -145,10 +153,10 @@ struct FfnTrainOp::State {
     return measured_density >= 0 ? measured_density : options.expected_density;
   }
 
-  // The split's hot neurons for a gate of `d_hidden`: hot_fraction of them in multiples of 64
+  // The split's hot neurons for a gate of `d_hidden`: that fraction of them in multiples of 64
   // (whole cuBLASLt tiles), 0 where that leaves no neuron on either side.
-  int32_t split_neurons(int32_t d_hidden) const {
-    const int32_t hot = static_cast<int32_t>(std::lround(options.hot_fraction * d_hidden / 64.0)) * 64;
+  static int32_t split_neurons(int32_t d_hidden, double fraction) {
+    const int32_t hot = static_cast<int32_t>(std::lround(fraction * d_hidden / 64.0)) * 64;
     return hot < d_hidden ? hot : 0;
   }
 
@@ -160,6 +168,22 @@ struct FfnTrainOp::State {
   TrainPath resolve_path() {
     if (options.path != TrainPath::automatic) return options.path;
     return density_estimate() > options.dense_above_density ? TrainPath::dense : TrainPath::sparse;
+  }
+
+  // The path and split fraction (0: none) of a step from x, by the timed dispatch or the rules above.
+  std::pair<TrainPath, double> choose_step(int64_t m, int32_t d_hidden) {
+    const std::vector<double>& fractions = options.hot_fractions;
+    if (options.path != TrainPath::automatic || fractions.empty()) return {resolve_path(), options.hot_fraction};
+    const int candidates = 2 + static_cast<int>(fractions.size());
+    if (!timed) timed = std::make_unique<TimedChoice>(candidates, /*spans_per_call=*/2);
+    const double row_nnz = density_estimate() * d_hidden;
+    timed_bucket = static_cast<int64_t>(std::ceil(std::log2(static_cast<double>(m)))) * 64 +
+                   static_cast<int64_t>(std::floor(std::log2(1.0 + row_nnz)));
+    std::vector<bool> available(static_cast<size_t>(candidates), true);
+    for (size_t k = 0; k < fractions.size(); ++k) available[2 + k] = split_neurons(d_hidden, fractions[k]) > 0;
+    const int c = timed->choose(timed_bucket, available);
+    if (c == 0) return {TrainPath::dense, 0.0};
+    return {TrainPath::sparse, c == 1 ? 0.0 : fractions[static_cast<size_t>(c - 2)]};
   }
 
   // W: room for 1.5x the expected non-zeros per row plus a margin, in multiples of 8.
@@ -218,7 +242,8 @@ struct FfnTrainOp::State {
     dense_backward_input(grads.dx, stream, /*accumulate=*/false);
   }
   // The sparse step over all neurons, or over those past the hot ones plus the hot ones' dense step.
-  void sparse_or_split_forward(const bf16* x_in, int64_t m, const DeviceFfnView& w, bf16* y, cudaStream_t stream);
+  void sparse_or_split_forward(const bf16* x_in, int64_t m, const DeviceFfnView& w, double hot_fraction, bf16* y,
+                               cudaStream_t stream);
   void sparse_or_split_backward(const bf16* dy, const DeviceFfnGrads& grads, cudaStream_t stream);
   // Where the split's dense part runs: the side stream, or the caller's.
   cudaStream_t hot_stream(cudaStream_t stream) const { return side ? side->get() : stream; }
@@ -340,9 +365,9 @@ void FfnTrainOp::State::dense_backward_input(bf16* dx, cudaStream_t stream, bool
   gemm.run(rows, d, h, {dense.dh.data(), h, false}, {weights.up, d, false}, dx, d, GemmOutput::bf16, 1.0f, stream);
 }
 
-void FfnTrainOp::State::sparse_or_split_forward(const bf16* x_in, int64_t m, const DeviceFfnView& w, bf16* y,
-                                                cudaStream_t stream) {
-  const int32_t hot_count = split_neurons(w.d_hidden);
+void FfnTrainOp::State::sparse_or_split_forward(const bf16* x_in, int64_t m, const DeviceFfnView& w,
+                                                double hot_fraction, bf16* y, cudaStream_t stream) {
+  const int32_t hot_count = split_neurons(w.d_hidden, hot_fraction);
   hot_neurons = hot_count;
   if (hot_count == 0) {
     hot.reset();
@@ -393,6 +418,10 @@ FfnTrainOp::FfnTrainOp(FfnTrainOptions options) : state_(std::make_unique<State>
                 "expected_density must be in [0, 1], got {}", options.expected_density);
   TWELL_REQUIRE(options.hot_fraction >= 0 && options.hot_fraction < 1, "hot_fraction must be in [0, 1), got {}",
                 options.hot_fraction);
+  for (double fraction : options.hot_fractions)
+    TWELL_REQUIRE(fraction > 0 && fraction < 1, "hot_fractions must lie in (0, 1), got {}", fraction);
+  TWELL_REQUIRE(options.path != TrainPath::automatic || options.hot_fraction == 0 || options.hot_fractions.empty(),
+                "automatic dispatch: give hot_fraction (threshold rule) or hot_fractions (timed), not both");
 }
 
 FfnTrainOp::~FfnTrainOp() = default;
@@ -435,15 +464,17 @@ void FfnTrainOp::forward(const bf16* x, int64_t rows, const DeviceFfnView& weigh
   const DeviceFfnView& w = checked(weights);
   TWELL_REQUIRE(rows >= 1, "rows must be positive, got {}", rows);
   State& s = *state_;
-  const TrainPath path = s.resolve_path();
+  const auto [path, hot_fraction] = s.choose_step(rows, w.d_hidden);
   s.step_hidden = w.d_hidden;
+  if (s.timed) s.timed->begin_span(stream);
   if (path == TrainPath::dense) {
     s.hot_neurons = 0;
     s.hot.reset();
     s.dense_forward(x, rows, w, y, stream);
   } else {
-    s.sparse_or_split_forward(x, rows, w, y, stream);
+    s.sparse_or_split_forward(x, rows, w, hot_fraction, y, stream);
   }
+  if (s.timed) s.timed->end_span(stream);
 }
 
 void FfnTrainOp::forward(const bf16* x, int64_t rows, const DeviceFfnView& weights, const DeviceTwell& gate,
@@ -453,6 +484,7 @@ void FfnTrainOp::forward(const bf16* x, int64_t rows, const DeviceFfnView& weigh
   State& s = *state_;
   TWELL_REQUIRE(s.options.hot_fraction == 0, "a given gate packing covers every neuron: no split (hot_fraction {})",
                 s.options.hot_fraction);
+  if (s.timed) s.timed->abandon();
   const TrainPath path = s.resolve_path();
   s.step_hidden = w.d_hidden;
   if (path == TrainPath::dense) {
@@ -471,6 +503,7 @@ void FfnTrainOp::forward(const bf16* x, int64_t rows, const DeviceFfnView& weigh
   State& s = *state_;
   TWELL_REQUIRE(s.options.hot_fraction == 0, "a given gate covers every neuron: no split (hot_fraction {})",
                 s.options.hot_fraction);
+  if (s.timed) s.timed->abandon();
   s.step_hidden = w.d_hidden;
   const HybridCounters counters = s.read_counters(gate, stream);
   TWELL_REQUIRE(counters.gate_incomplete == 0, "hybrid gate was converted from an incomplete TwELL packing");
@@ -485,11 +518,12 @@ void FfnTrainOp::backward(const bf16* dy, const DeviceFfnGrads& grads, cudaStrea
   TWELL_REQUIRE(s.x != nullptr, "backward() needs a forward() first");
   TWELL_REQUIRE(dy && grads.dx && grads.d_gate && grads.d_up && grads.d_down,
                 "backward needs dy and all four gradient outputs, got a null pointer");
-  if (s.path == TrainPath::dense) {
+  if (s.timed) s.timed->begin_span(stream);
+  if (s.path == TrainPath::dense)
     s.dense_backward(dy, grads, stream);
-    return;
-  }
-  s.sparse_or_split_backward(dy, grads, stream);
+  else
+    s.sparse_or_split_backward(dy, grads, stream);
+  if (s.timed) s.timed->end_span(stream);
 }
 
 FfnTrainStats FfnTrainOp::stats(cudaStream_t stream) const {
@@ -515,5 +549,10 @@ FfnTrainStats FfnTrainOp::stats(cudaStream_t stream) const {
 }
 
 int64_t FfnTrainOp::held_bytes() const { return state_->bytes(); }
+
+bool FfnTrainOp::dispatch_settled() const {
+  const State& s = *state_;
+  return !s.timed || s.timed->settled(s.timed_bucket);
+}
 
 }  // namespace twell::cuda

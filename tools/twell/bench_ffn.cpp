@@ -222,6 +222,8 @@ void run_ffn_bench(const FfnBenchOptions& options) {
       // tenants of a shared CPU) falls on all of them alike.
       const size_t impl_count = device.impls.size();
       for (const auto& impl : device.impls) impl->prepare(work, inputs);
+      std::vector<int> settle_calls;
+      for (const auto& impl : device.impls) settle_calls.push_back(impl->settle(options.input_sets));
       for (int i = 0; i < options.warmup; ++i)
         for (const auto& impl : device.impls) impl->run_ms(i % options.input_sets);
       std::vector<std::vector<double>> samples(impl_count);
@@ -257,7 +259,8 @@ void run_ffn_bench(const FfnBenchOptions& options) {
                         {"tile", options.tile},
                         {"compression", options.compression},
                         {"gated", options.gated},
-                        {"input_sets", options.input_sets}};
+                        {"input_sets", options.input_sets},
+                        {"settle_calls", settle_calls[k]}};
         record.extra.update(impl->extra_measurements(options.reps));
         if (options.device == "cpu") {
           record.extra["threads"] = cpu::num_threads();

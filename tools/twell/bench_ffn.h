@@ -47,6 +47,9 @@ class FfnBenchImpl {
   virtual std::string name() const = 0;
   // The weights of `work` and the rotated activations inputs[i] [M, D]; a device impl uploads them here.
   virtual void prepare(const Workload& work, const std::vector<std::vector<float>>& inputs) = 0;
+  // Untimed calls, after prepare and before the warm-up, until the implementation's own choices are
+  // made (a dispatch that times its paths); returns how many it took.
+  virtual int settle(int /*input_sets*/) { return 0; }
   // One complete FFN on inputs[input], y kept; returns its time in milliseconds (host wall clock
   // around a synchronous call on the CPU, events on a GPU).
   virtual double run_ms(int input) = 0;

@@ -1,8 +1,9 @@
 // `twell bench ffn-train --device cuda`: one training step of the gated FFN (forward + backward)
 // on the GPU: the sparse path (TwELL gate kernel -> hybrid -> sparse products), the dense cuBLASLt
-// path, the automatic dispatch and the split steps (FfnTrainOptions::hot_fraction: the most often
-// active neurons dense, the rest sparse, on the weights sorted by activity on calibration rows
-// apart from the timed ones), timed in the same run on the standard workload. Reports the
+// path, the automatic dispatch (the op's timed choice among dense, sparse and splits, after the
+// steps it takes to choose) and the split steps (FfnTrainOptions::hot_fraction: the most often
+// active neurons dense, the rest sparse); auto and split run on the weights sorted by activity on
+// calibration rows apart from the timed ones. Timed in the same run on the standard workload. Reports the
 // speed-up over dense, the memory each holds, and the relative errors of y, dx and the three
 // weight gradients against the float64 reference on sampled rows (y, dx) and neurons (weights).
 #include <algorithm>
@@ -28,6 +29,8 @@
 namespace twell::cli {
 namespace {
 
+constexpr int kMaxDispatchSteps = 100;
+
 struct TrainBenchOptions {
   std::string device = "cuda";
   std::vector<int64_t> rows = {16384, 65536};
@@ -36,7 +39,6 @@ struct TrainBenchOptions {
   std::vector<double> densities = {0.005, 0.02, 0.1};
   std::vector<std::string> impls = {"dense", "sparse", "auto", "split"};
   std::vector<double> hot_fractions = {0.25, 0.375, 0.5};  // split: one run each
-  double split_dense_above = 0.03;                        // split-auto: its dispatch threshold
   bool split_side_stream = true;                          // FfnTrainOptions::split_side_stream
   double l1_coeff = 0.01;
   int warmup = 3;
@@ -100,11 +102,10 @@ void validate_options(const TrainBenchOptions& o) {
   for (double density : o.densities)
     TWELL_REQUIRE(density >= 0 && density <= 1, "--density values must lie in [0, 1], got {}", density);
   for (const std::string& impl : o.impls)
-    TWELL_REQUIRE(impl == "dense" || impl == "sparse" || impl == "auto" || impl == "split" || impl == "split-auto",
-                  "--impl must be dense, sparse, auto, split or split-auto, got '{}'", impl);
+    TWELL_REQUIRE(impl == "dense" || impl == "sparse" || impl == "auto" || impl == "split",
+                  "--impl must be dense, sparse, auto or split, got '{}'", impl);
   TWELL_REQUIRE(!o.hot_fractions.empty(), "--hot-fraction needs values");
   for (double f : o.hot_fractions) TWELL_REQUIRE(f > 0 && f < 1, "--hot-fraction values must lie in (0, 1), got {}", f);
-  TWELL_REQUIRE(o.split_dense_above >= 0, "--split-dense-above must be >= 0, got {}", o.split_dense_above);
   TWELL_REQUIRE(o.d_model >= 64 && o.d_model % 64 == 0, "--d must be a positive multiple of 64, got {}", o.d_model);
   TWELL_REQUIRE(o.d_hidden >= 1, "--h must be >= 1, got {}", o.d_hidden);
   TWELL_REQUIRE(o.l1_coeff >= 0, "--l1 must be >= 0, got {}", o.l1_coeff);
@@ -173,7 +174,7 @@ void run_cuda(const TrainBenchOptions& o) {
           make_workload({.rows = 1, .d_model = d, .d_hidden = h, .density = density, .seed = 1}).weights;
       const cuda::DeviceFfnWeights device_weights = cuda::upload_weights(weights);
       const SampledReference ref = sampled_reference(x, dy, m, weights, o.l1_coeff, o.check_rows, o.check_neurons);
-      // The split runs' weights: sorted by activity (loaded lazily; the sampled reference follows).
+      // The auto and split runs' weights: sorted by activity (loaded lazily; the sampled reference follows).
       std::unique_ptr<cuda::DeviceFfnWeights> sorted_device;
       std::unique_ptr<SampledReference> sorted_ref;
       // (impl, hot fraction) in the order given: split once per fraction.
@@ -182,32 +183,35 @@ void run_cuda(const TrainBenchOptions& o) {
         if (impl == "split")
           for (double f : o.hot_fractions) runs.emplace_back(impl, f);
         else
-          runs.emplace_back(impl, impl == "split-auto" ? o.hot_fractions.front() : 0.0);
+          runs.emplace_back(impl, 0.0);
       }
       double dense_ms = 0, dense_bytes = 0;
       for (const auto& [impl, hot_fraction] : runs) {
-        const bool split = hot_fraction > 0;
-        if (split && !sorted_device) {
+        const bool sorted_weights = hot_fraction > 0 || impl == "auto";
+        if (sorted_weights && !sorted_device) {
           const FfnWeights sorted = sorted_by_activity(weights, 4243);
           sorted_device = std::make_unique<cuda::DeviceFfnWeights>(cuda::upload_weights(sorted));
           sorted_ref = std::make_unique<SampledReference>(
               sampled_reference(x, dy, m, sorted, o.l1_coeff, o.check_rows, o.check_neurons));
         }
-        const cuda::DeviceFfnWeights& device_weights_run = split ? *sorted_device : device_weights;
-        const SampledReference& ref_run = split ? *sorted_ref : ref;
+        const cuda::DeviceFfnWeights& device_weights_run = sorted_weights ? *sorted_device : device_weights;
+        const SampledReference& ref_run = sorted_weights ? *sorted_ref : ref;
         cuda::FfnTrainOp op({.l1_coeff = o.l1_coeff,
-                             .path = impl == "split" ? cuda::TrainPath::sparse
-                                     : impl == "split-auto" ? cuda::TrainPath::automatic
-                                                            : cuda::parse_train_path(impl),
+                             .path = impl == "split" ? cuda::TrainPath::sparse : cuda::parse_train_path(impl),
                              .expected_density = density,
-                             .dense_above_density = impl == "split-auto" ? o.split_dense_above
-                                                                        : cuda::FfnTrainOptions{}.dense_above_density,
                              .hot_fraction = hot_fraction,
                              .split_side_stream = o.split_side_stream});
         const auto train_step = [&] {
           op.forward(x_device.get(), m, device_weights_run, y.get(), stream);
           op.backward(dy_device.get(), grads, stream);
         };
+        // The automatic dispatch first times its candidates (a one-time cost per size and density).
+        int dispatch_steps = 0;
+        for (; !op.dispatch_settled() && dispatch_steps < kMaxDispatchSteps; ++dispatch_steps) {
+          train_step();
+          check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+        }
+        TWELL_REQUIRE(op.dispatch_settled(), "{}: the dispatch did not settle in {} steps", impl, kMaxDispatchSteps);
         for (int i = 0; i < o.warmup; ++i) train_step();
         std::vector<double> samples;
         for (int i = 0; i < o.reps; ++i) {
@@ -235,6 +239,7 @@ void run_cuda(const TrainBenchOptions& o) {
         const double memory_fraction = dense_bytes > 0 ? r.peak_bytes / dense_bytes : 0;
         r.extra = {{"path", cuda::to_string(stats.path)},
                    {"hot_fraction", hot_fraction},
+                   {"dispatch_steps", dispatch_steps},
                    {"hot_neurons", stats.hot_neurons},
                    {"split_side_stream", o.split_side_stream},
                    {"speedup_vs_dense", speedup},
@@ -277,13 +282,11 @@ void add_bench_ffn_train(CLI::App& bench) {
   command->add_option("--h", options->d_hidden, "hidden width H");
   command->add_option("--density", options->densities, "target densities of the gate")->delimiter(',');
   command->add_option("--impl", options->impls,
-                      "dense, sparse, auto, split (once per --hot-fraction), split-auto (dense first: ratios use it)")
+                      "dense, sparse, auto, split (once per --hot-fraction) (dense first: ratios use it)")
       ->delimiter(',');
   command->add_option("--hot-fraction", options->hot_fractions,
-                      "split: fractions of H run densely (the most active neurons); split-auto takes the first")
+                      "split: fractions of H run densely (the most active neurons)")
       ->delimiter(',');
-  command->add_option("--split-dense-above", options->split_dense_above,
-                      "split-auto: density of the gate above which a step runs all dense");
   command->add_flag("!--split-one-stream", options->split_side_stream,
                     "split: the dense and sparse parts one after the other on one stream (default: side by side)");
   command->add_option("--l1", options->l1_coeff, "L1 coefficient on h");

@@ -1,0 +1,70 @@
+// TimedChoice: per bucket of similar calls, the fastest of a few interchangeable ways to make a call
+// (its candidates), found by timing the calls themselves. Each candidate runs kUntimed + kTimed
+// times in a row (the untimed first run takes allocations and plans); a timed call is one or more
+// spans on its stream, bracketed by CUDA events and read back without waiting; once every
+// candidate's timed calls have arrived the bucket keeps the one of least median time.
+//
+// The training op uses it with two spans per call, forward and backward, because a model runs its
+// other layers between them and those must not count.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <map>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+namespace twell::cuda {
+
+class TimedChoice {
+ public:
+  static constexpr int kUntimed = 1;
+  static constexpr int kTimed = 3;
+  static constexpr int kMaxSpans = 2;
+
+  TimedChoice(int candidates, int spans_per_call);
+  ~TimedChoice();
+  TimedChoice(const TimedChoice&) = delete;
+  TimedChoice& operator=(const TimedChoice&) = delete;
+
+  // The candidate for the next call in `bucket`, one with available[c] true (at least one must be).
+  // Collects the times that have arrived; a call begun earlier whose spans were not all recorded is
+  // dropped and its candidate runs again.
+  int choose(int64_t bucket, const std::vector<bool>& available);
+  // The chosen call's spans, in order, on the stream they run on; no-ops for an untimed call.
+  void begin_span(cudaStream_t stream);
+  void end_span(cudaStream_t stream);
+  // Ends any call in progress without its time (the caller ran something else).
+  void abandon();
+  // Whether `bucket` has made its choice: the choose() after the last timed call's time arrived.
+  bool settled(int64_t bucket) const;
+
+ private:
+  struct Slot {
+    std::array<std::array<cudaEvent_t, 2>, kMaxSpans> events{};
+    int64_t bucket = 0;
+    int candidate = 0;
+    int spans_recorded = 0;
+    bool in_flight = false;
+  };
+  struct Trials {
+    std::vector<int> issued;                  // calls begun per candidate
+    std::vector<std::vector<float>> samples;  // arrived timed calls per candidate, ms
+    int chosen = -1;
+  };
+  static constexpr int kSlots = 4;
+
+  void collect(bool wait_for_slot, int slot_index);
+  Trials& trials(int64_t bucket);
+
+  int candidates_;
+  int spans_per_call_;
+  std::array<Slot, kSlots> slots_{};
+  int next_slot_ = 0;
+  int current_ = -1;  // slot of the call in progress, -1 when untimed or none
+  bool span_open_ = false;
+  std::map<int64_t, Trials> trials_;
+};
+
+}  // namespace twell::cuda
