@@ -193,7 +193,8 @@ class DenseFfn {
 // few neurons active for many tokens then cost a dense GEMM's share instead of two weight rows per
 // non-zero. A split call measures only its sparse part's density, so it does not update the layer's;
 // it is compared with the one its path saw when first run in the bucket, and when its density bucket
-// differs (the input changed), the next call runs plain TwELL to observe the layer's density again.
+// differs by 2 or more (the input changed by a factor of 4; one bucket is the call-to-call noise of
+// few rows), the next call runs plain TwELL to observe the layer's density again.
 // The two parts of a split run side by side (split_side_stream): TwELL writes y on the caller's
 // stream while the dense part's gate and up GEMMs run on a second stream of the op's own; only its
 // down GEMM waits for TwELL's y and adds to it. The tensor-core GEMMs and the L2-bound up+down kernel
@@ -257,7 +258,7 @@ class SparseFfn {
   int64_t current_bucket_ = 0;    // of the call being issued
   // Per (bucket, hot neurons): the density bucket of the split's sparse part when first seen.
   std::map<std::pair<int64_t, int32_t>, int64_t> split_density_buckets_;
-  bool recheck_density_ = false;  // a split call saw another density: the next call runs TwELL
+  bool recheck_density_ = false;  // a split call saw a density 2 buckets off: the next call runs TwELL
   int last_path_ = kTwellPath;
   int32_t last_hot_neurons_ = 0;
   bool last_call_measured_ = false;

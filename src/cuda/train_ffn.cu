@@ -552,7 +552,8 @@ int64_t FfnTrainOp::held_bytes() const { return state_->bytes(); }
 
 bool FfnTrainOp::dispatch_settled() const {
   const State& s = *state_;
-  return !s.timed || s.timed->settled(s.timed_bucket);
+  if (s.options.path != TrainPath::automatic || s.options.hot_fractions.empty()) return true;
+  return s.timed && s.timed->settled(s.timed_bucket);
 }
 
 }  // namespace twell::cuda
