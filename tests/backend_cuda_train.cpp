@@ -379,6 +379,15 @@ TEST(CudaTrainOp, TimedDispatchTriesEveryCandidateThenSettles) {
       {cuda::TrainPath::dense, 0},   {cuda::TrainPath::sparse, 0},   {cuda::TrainPath::sparse, 128},
       {cuda::TrainPath::sparse, 256}, {cuda::TrainPath::sparse, 384}, {cuda::TrainPath::sparse, 448}};
   EXPECT_EQ(seen, candidates);
+  // It holds what its choice needs, not what the candidates it tried left behind.
+  cuda::FfnTrainOp fixed({.l1_coeff = 0.01, .path = settled_on->first,
+                          .hot_fraction = settled_on->second / static_cast<double>(h)});
+  cuda::DeviceArray<bf16> y = poisoned_bf16(w.x.size());
+  DeviceGrads grads(m, d, h);
+  fixed.forward(x.get(), m, weights, y.get(), nullptr);
+  fixed.backward(dy_device.get(), grads.view(), nullptr);
+  ASSERT_EQ(fixed.stats(nullptr).hot_neurons, settled_on->second);
+  EXPECT_LE(op.held_bytes(), fixed.held_bytes() * 11 / 10);
 }
 
 TEST(CudaTrainOp, RefusesBadInput) {

@@ -465,6 +465,13 @@ void FfnTrainOp::forward(const bf16* x, int64_t rows, const DeviceFfnView& weigh
   TWELL_REQUIRE(rows >= 1, "rows must be positive, got {}", rows);
   State& s = *state_;
   const auto [path, hot_fraction] = s.choose_step(rows, w.d_hidden);
+  const int32_t hot_count = path == TrainPath::dense ? 0 : State::split_neurons(w.d_hidden, hot_fraction);
+  if (s.timed && (path != s.path || hot_count != s.hot_neurons)) {
+    // The timed dispatch switched candidates: buffers only grow, so what the last one sized goes.
+    s.sparse = SparseBuffers{};
+    s.dense = DenseBuffers{};
+    s.hot.reset();
+  }
   s.step_hidden = w.d_hidden;
   if (s.timed) s.timed->begin_span(stream);
   if (path == TrainPath::dense) {

@@ -177,69 +177,87 @@ void run_cuda(const TrainBenchOptions& o) {
       // The auto and split runs' weights: sorted by activity (loaded lazily; the sampled reference follows).
       std::unique_ptr<cuda::DeviceFfnWeights> sorted_device;
       std::unique_ptr<SampledReference> sorted_ref;
-      // (impl, hot fraction) in the order given: split once per fraction.
-      std::vector<std::pair<std::string, double>> runs;
+      // One run per impl, split once per fraction. All stay alive and take turns step by step, so
+      // that drift of the clocks over the run falls on all alike (dense steps were seen 7% apart
+      // between runs timed one after the other).
+      struct Run {
+        std::string impl;
+        double hot_fraction = 0;
+        const cuda::DeviceFfnWeights* weights = nullptr;
+        const SampledReference* ref = nullptr;
+        std::unique_ptr<cuda::FfnTrainOp> op;
+        int dispatch_steps = 0;
+        std::vector<double> samples;
+      };
+      std::vector<Run> runs;
       for (const std::string& impl : o.impls) {
         if (impl == "split")
-          for (double f : o.hot_fractions) runs.emplace_back(impl, f);
+          for (double f : o.hot_fractions) runs.push_back({.impl = impl, .hot_fraction = f});
         else
-          runs.emplace_back(impl, 0.0);
+          runs.push_back({.impl = impl});
       }
-      double dense_ms = 0, dense_bytes = 0;
-      for (const auto& [impl, hot_fraction] : runs) {
-        const bool sorted_weights = hot_fraction > 0 || impl == "auto";
+      for (Run& run : runs) {
+        const bool sorted_weights = run.hot_fraction > 0 || run.impl == "auto";
         if (sorted_weights && !sorted_device) {
           const FfnWeights sorted = sorted_by_activity(weights, 4243);
           sorted_device = std::make_unique<cuda::DeviceFfnWeights>(cuda::upload_weights(sorted));
           sorted_ref = std::make_unique<SampledReference>(
               sampled_reference(x, dy, m, sorted, o.l1_coeff, o.check_rows, o.check_neurons));
         }
-        const cuda::DeviceFfnWeights& device_weights_run = sorted_weights ? *sorted_device : device_weights;
-        const SampledReference& ref_run = sorted_weights ? *sorted_ref : ref;
-        cuda::FfnTrainOp op({.l1_coeff = o.l1_coeff,
-                             .path = impl == "split" ? cuda::TrainPath::sparse : cuda::parse_train_path(impl),
-                             .expected_density = density,
-                             .hot_fraction = hot_fraction,
-                             .split_side_stream = o.split_side_stream});
-        const auto train_step = [&] {
-          op.forward(x_device.get(), m, device_weights_run, y.get(), stream);
-          op.backward(dy_device.get(), grads, stream);
-        };
-        // The automatic dispatch first times its candidates (a one-time cost per size and density).
-        int dispatch_steps = 0;
-        for (; !op.dispatch_settled() && dispatch_steps < kMaxDispatchSteps; ++dispatch_steps) {
-          train_step();
+        run.weights = sorted_weights ? sorted_device.get() : &device_weights;
+        run.ref = sorted_weights ? sorted_ref.get() : &ref;
+        run.op = std::make_unique<cuda::FfnTrainOp>(
+            cuda::FfnTrainOptions{.l1_coeff = o.l1_coeff,
+                                  .path = run.impl == "split" ? cuda::TrainPath::sparse : cuda::parse_train_path(run.impl),
+                                  .expected_density = density,
+                                  .hot_fraction = run.hot_fraction,
+                                  .split_side_stream = o.split_side_stream});
+      }
+      const auto train_step = [&](Run& run) {
+        run.op->forward(x_device.get(), m, *run.weights, y.get(), stream);
+        run.op->backward(dy_device.get(), grads, stream);
+      };
+      // The automatic dispatch first times its candidates (a one-time cost per size and density).
+      for (Run& run : runs) {
+        for (; !run.op->dispatch_settled() && run.dispatch_steps < kMaxDispatchSteps; ++run.dispatch_steps) {
+          train_step(run);
           check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
         }
-        TWELL_REQUIRE(op.dispatch_settled(), "{}: the dispatch did not settle in {} steps", impl, kMaxDispatchSteps);
-        for (int i = 0; i < o.warmup; ++i) train_step();
-        std::vector<double> samples;
-        for (int i = 0; i < o.reps; ++i) {
+        TWELL_REQUIRE(run.op->dispatch_settled(), "{}: the dispatch did not settle in {} steps", run.impl,
+                      kMaxDispatchSteps);
+      }
+      for (int i = 0; i < o.warmup; ++i)
+        for (Run& run : runs) train_step(run);
+      for (int i = 0; i < o.reps; ++i)
+        for (Run& run : runs) {
           check_cuda(cudaEventRecord(start, stream), "cudaEventRecord");
-          train_step();
+          train_step(run);
           check_cuda(cudaEventRecord(stop, stream), "cudaEventRecord");
           check_cuda(cudaEventSynchronize(stop), "cudaEventSynchronize");
           float ms = 0;
           check_cuda(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
-          samples.push_back(ms);
+          run.samples.push_back(ms);
         }
-        const cuda::FfnTrainStats stats = op.stats(stream);
-        const Errors errors = sampled_errors(ref_run, y.get(), grads, d);
+      double dense_ms = 0, dense_bytes = 0;
+      for (Run& run : runs) {
+        train_step(run);  // y and the gradients are shared: this run's, for its error check
+        const cuda::FfnTrainStats stats = run.op->stats(stream);
+        const Errors errors = sampled_errors(*run.ref, y.get(), grads, d);
 
-        BenchRecord r = new_bench_record("ffn-train", "cuda", cuda::device_name(), impl, m, d, h, density);
+        BenchRecord r = new_bench_record("ffn-train", "cuda", cuda::device_name(), run.impl, m, d, h, density);
         r.nnz_per_row = stats.l0;
-        r.timing = summarize_ms(samples);
+        r.timing = summarize_ms(run.samples);
         r.rel_err = errors.worst();
-        r.peak_bytes = op.held_bytes();
-        if (impl == "dense") {
+        r.peak_bytes = run.op->held_bytes();
+        if (run.impl == "dense") {
           dense_ms = r.timing.median_ms;
           dense_bytes = static_cast<double>(r.peak_bytes);
         }
         const double speedup = dense_ms > 0 ? dense_ms / r.timing.median_ms : 0;
         const double memory_fraction = dense_bytes > 0 ? r.peak_bytes / dense_bytes : 0;
         r.extra = {{"path", cuda::to_string(stats.path)},
-                   {"hot_fraction", hot_fraction},
-                   {"dispatch_steps", dispatch_steps},
+                   {"hot_fraction", run.hot_fraction},
+                   {"dispatch_steps", run.dispatch_steps},
                    {"hot_neurons", stats.hot_neurons},
                    {"split_side_stream", o.split_side_stream},
                    {"speedup_vs_dense", speedup},
@@ -253,11 +271,11 @@ void run_cuda(const TrainBenchOptions& o) {
                    {"err_d_gate", errors.d_gate},
                    {"err_d_up", errors.d_up},
                    {"err_d_down", errors.d_down},
-                   {"checked_rows", ref_run.rows.size()},
-                   {"checked_neurons", ref_run.neurons.size()}};
+                   {"checked_rows", run.ref->rows.size()},
+                   {"checked_neurons", run.ref->neurons.size()}};
         records.push_back(r);
         fmt::print("{:>6} {:>6.2f} {:>10} {:>7} {:>5} {:>9.1f} {:>8.3f} {:>8.2f} {:>9.1f} {:>6.1f} {:>7} {:>9.2e}\n", m,
-                   100 * density, impl, cuda::to_string(stats.path), stats.hot_neurons, stats.l0, r.timing.median_ms,
+                   100 * density, run.impl, cuda::to_string(stats.path), stats.hot_neurons, stats.l0, r.timing.median_ms,
                    speedup,
                    r.peak_bytes / 1048576.0, 100 * memory_fraction, stats.backup_rows, errors.worst());
         std::fflush(stdout);
