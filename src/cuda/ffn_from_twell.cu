@@ -43,7 +43,6 @@ struct FfnFromTwellParams {
   const uint16_t* spill;           // [spill_capacity, T]
   int64_t spill_capacity;
   uint16_t* y;                     // [M, D] bf16
-  bool accumulate;                 // y += the FFN
   int32_t d_model;
   int32_t cols;
   int32_t tile;
@@ -164,7 +163,9 @@ __device__ void list_tile_entries(const FfnFromTwellParams& p, int64_t row, int3
   }
 }
 
-template <bool kGated>
+// kAccumulate is a template parameter, not a flag: the plain kernel then keeps y's earlier values out
+// of its registers (with them, at the 64-register limit of 1024 threads, it spilled).
+template <bool kGated, bool kAccumulate>
 __global__ void __launch_bounds__(kMaxThreads, 1) ffn_from_twell_kernel(FfnFromTwellParams p) {
   extern __shared__ uint4 x_shared[];  // [D/8] x[m]
   __shared__ uint32_t list_column[kListCapacity];
@@ -177,7 +178,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) ffn_from_twell_kernel(FfnFromT
   for (int i = threadIdx.x; i < vectors; i += blockDim.x)
     x_shared[i] = load_vector(p.x + row * p.d_model + 8 * i);
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  if (p.accumulate && v < vectors) {
+  if (kAccumulate && v < vectors) {
     const uint4 start = *reinterpret_cast<const uint4*>(p.y + row * p.d_model + 8 * v);
     const uint32_t words[4] = {start.x, start.y, start.z, start.w};
     for (int i = 0; i < 4; ++i) {
@@ -287,7 +288,6 @@ void ffn_from_twell(const bf16* x, const DeviceTwell& gate, const DeviceFfnView&
   params.spill = reinterpret_cast<const uint16_t*>(gate.spill.get());
   params.spill_capacity = gate.spill_capacity;
   params.y = reinterpret_cast<uint16_t*>(y);
-  params.accumulate = accumulate;
   params.d_model = weights.d_model;
   params.cols = gate.shape.cols;
   params.tile = gate.shape.tile;
@@ -297,10 +297,9 @@ void ffn_from_twell(const bf16* x, const DeviceTwell& gate, const DeviceFfnView&
   const int threads = std::max(kMinThreads, (vectors + 31) / 32 * 32);
   const size_t x_bytes = static_cast<size_t>(vectors) * sizeof(uint4);
   const dim3 grid(static_cast<unsigned>(gate.shape.rows));
-  if (weights.gated)
-    ffn_from_twell_kernel<true><<<grid, threads, x_bytes, stream>>>(params);
-  else
-    ffn_from_twell_kernel<false><<<grid, threads, x_bytes, stream>>>(params);
+  const auto kernel = weights.gated ? (accumulate ? ffn_from_twell_kernel<true, true> : ffn_from_twell_kernel<true, false>)
+                                    : (accumulate ? ffn_from_twell_kernel<false, true> : ffn_from_twell_kernel<false, false>);
+  kernel<<<grid, threads, x_bytes, stream>>>(params);
   TWELL_CUDA_CHECK_LAUNCH();
 }
 
