@@ -19,6 +19,11 @@ struct TimingStats {
 
 // Percentiles of the samples (nearest rank); throws on an empty sample.
 TimingStats summarize_ms(std::vector<double> samples_ms);
+// The order in which a benchmark round times `count` implementations that take turns: a fixed
+// pseudo-random permutation per round, so that each follows each other about equally often (a
+// rotation keeps the same neighbours; on the H200 a call right after a split's two streams ran
+// 2-4% slower at M <= 256, docs/perf-notes.md).
+std::vector<size_t> round_order(size_t count, int round);
 
 struct BenchRecord {
   std::string bench;     // "ffn", "decode", ...

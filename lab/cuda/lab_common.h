@@ -70,8 +70,8 @@ inline std::vector<GateCase> small_gate_cases() {
 }
 
 // calls[k](i) runs implementation k on input set i (0 .. input_sets-1). 5 warm-up rounds, then `reps`
-// timed rounds; a round times each implementation once, in turn (each round starting one further
-// on, so that none always follows the same one), so that drift of the clocks over
+// timed rounds; a round times each implementation once, in turn (round_order: none always follows
+// the same one), so that drift of the clocks over
 // the run falls on all of them alike (sequential blocks of identical cuBLASLt calls were seen to
 // differ by up to 9%). Before each timed call cuda::L2Evictor empties the L2: otherwise an
 // implementation timed right after one that read the same weights finds them there (a layer of a
@@ -86,8 +86,7 @@ inline std::vector<TimingStats> time_interleaved(int reps, int input_sets,
     for (const auto& call : calls) call(i % input_sets);
   std::vector<std::vector<double>> samples(calls.size());
   for (int i = 0; i < reps; ++i)
-    for (size_t turn = 0; turn < calls.size(); ++turn) {
-      const size_t k = (turn + static_cast<size_t>(i)) % calls.size();  // none always follows the same one
+    for (size_t k : round_order(calls.size(), i)) {
       evictor.run();
       TWELL_CUDA_CHECK(cudaEventRecord(start));
       calls[k](i % input_sets);

@@ -7,11 +7,21 @@
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <numeric>
+#include <random>
 
 #include "twell/error.h"
 #include "twell_build_commit.h"  // TWELL_GIT_COMMIT, written at every build (cmake/commit_stamp.cmake)
 
 namespace twell {
+
+std::vector<size_t> round_order(size_t count, int round) {
+  std::vector<size_t> order(count);
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::mt19937 rng(static_cast<uint32_t>(round));
+  std::shuffle(order.begin(), order.end(), rng);
+  return order;
+}
 
 TimingStats summarize_ms(std::vector<double> samples_ms) {
   TWELL_REQUIRE(!samples_ms.empty(), "summarize_ms needs at least one sample");

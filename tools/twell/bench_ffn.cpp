@@ -219,9 +219,7 @@ void run_ffn_bench(const FfnBenchOptions& options) {
       const WorkloadFacts facts = reference_facts(work, options.reference_rows);
 
       // The implementations take turns call by call, so that drift over the run (clocks, other
-      // tenants of a shared CPU) falls on all of them alike, and each round starts one further on,
-      // so that none always follows the same one (on the H200 a call right after a split's two
-      // streams ran 2-4% slower at M <= 256, whatever it was: docs/perf-notes.md).
+      // tenants of a shared CPU) falls on all of them alike, in an order that changes per round.
       const size_t impl_count = device.impls.size();
       for (const auto& impl : device.impls) impl->prepare(work, inputs);
       std::vector<int> settle_calls;
@@ -230,10 +228,7 @@ void run_ffn_bench(const FfnBenchOptions& options) {
         for (const auto& impl : device.impls) impl->run_ms(i % options.input_sets);
       std::vector<std::vector<double>> samples(impl_count);
       for (int i = 0; i < options.reps; ++i)
-        for (size_t turn = 0; turn < impl_count; ++turn) {
-          const size_t k = (turn + static_cast<size_t>(i)) % impl_count;
-          samples[k].push_back(device.impls[k]->run_ms(i % options.input_sets));
-        }
+        for (size_t k : round_order(impl_count, i)) samples[k].push_back(device.impls[k]->run_ms(i % options.input_sets));
 
       double dense_median_ms = 0;
       for (size_t k = 0; k < impl_count; ++k) {
