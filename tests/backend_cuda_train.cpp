@@ -12,6 +12,7 @@
 
 #include <gtest/gtest.h>
 
+#include "cuda/timed_choice.h"
 #include "cuda_test_support.h"
 #include "op_harness.h"
 #include "twell/convert.h"
@@ -334,6 +335,50 @@ TEST(CudaTrainOp, GateKernelAndAutomaticDispatch) {
                      stats, kDenseTolerance);
     }
   }
+}
+
+// The timed choice's bookkeeping (no GPU): each candidate's untimed then timed calls in turn, the
+// least median chosen once every available candidate's times are in, a lost call run again,
+// unavailable candidates never run, buckets apart.
+TEST(TrialBook, RunsEachCandidateThenKeepsTheLeastMedian) {
+  using Turn = std::pair<int, bool>;
+  cuda::TrialBook book(3);
+  const std::vector<bool> all(3, true);
+  const auto next = [&](int64_t bucket, const std::vector<bool>& available) {
+    const cuda::TrialBook::Turn turn = book.next(bucket, available);
+    return Turn{turn.candidate, turn.timed};
+  };
+  std::vector<Turn> turns;
+  for (int i = 0; i < 12; ++i) turns.push_back(next(7, all));
+  const std::vector<Turn> expected = {{0, false}, {0, true}, {0, true}, {0, true}, {1, false}, {1, true},
+                                      {1, true},  {1, true}, {2, false}, {2, true}, {2, true}, {2, true}};
+  EXPECT_EQ(turns, expected);
+  EXPECT_EQ(next(7, all), (Turn{0, false}));  // no time yet: the first available, untimed
+  for (float ms : {5.f, 6.f, 7.f}) book.add_time(7, 0, ms);
+  for (float ms : {3.f, 9.f, 4.f}) book.add_time(7, 1, ms);  // median 4: the least
+  EXPECT_EQ(next(7, all), (Turn{1, false}));  // best so far, candidate 2 still out
+  EXPECT_FALSE(book.settled(7));
+  for (float ms : {4.5f, 4.5f, 4.5f}) book.add_time(7, 2, ms);
+  EXPECT_EQ(next(7, all), (Turn{1, false}));
+  EXPECT_TRUE(book.settled(7));
+  EXPECT_EQ(next(7, {true, false, true}), (Turn{2, false}));  // the choice unavailable: the next best
+  EXPECT_FALSE(book.settled(8));
+
+  // Another bucket: candidate 1 unavailable throughout, a timed call of candidate 0 lost.
+  const std::vector<bool> no_one = {true, false, true};
+  EXPECT_EQ(next(8, no_one), (Turn{0, false}));
+  EXPECT_EQ(next(8, no_one), (Turn{0, true}));
+  book.forget_call(8, 0);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(next(8, no_one), (Turn{0, true}));
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(next(8, no_one).first, 2);
+  for (float ms : {2.f, 2.f, 2.f}) book.add_time(8, 0, ms);
+  for (float ms : {1.f, 1.f, 1.f}) book.add_time(8, 2, ms);
+  EXPECT_EQ(next(8, no_one), (Turn{2, false}));
+  EXPECT_TRUE(book.settled(8));
+
+  EXPECT_THROW(book.next(9, {true}), Error);  // one availability for three candidates
+  EXPECT_THROW(book.next(9, {false, false, false}), Error);
+  EXPECT_THROW(cuda::TrialBook(0), Error);
 }
 
 // The timed dispatch (default options): each candidate (dense, sparse, the four splits) runs its

@@ -17,10 +17,42 @@
 
 namespace twell::cuda {
 
-class TimedChoice {
+// The bookkeeping of a timed choice apart from the clock: which candidate the next call runs and
+// whether it is timed, the times that arrived, the choice. Host logic only.
+class TrialBook {
  public:
   static constexpr int kUntimed = 1;
   static constexpr int kTimed = 3;
+
+  explicit TrialBook(int candidates);
+
+  struct Turn {
+    int candidate = 0;
+    bool timed = false;
+  };
+  // The next call in `bucket`: a candidate with available[c] true (at least one must be). While
+  // candidates have calls to run, the first such; then the least median among the arrived times,
+  // which becomes the bucket's choice once every available candidate's times are in.
+  Turn next(int64_t bucket, const std::vector<bool>& available);
+  void add_time(int64_t bucket, int candidate, float ms);
+  // A call begun by next() whose time will not come: its candidate runs once more.
+  void forget_call(int64_t bucket, int candidate);
+  bool settled(int64_t bucket) const;
+
+ private:
+  struct Trials {
+    std::vector<int> issued;                  // calls begun per candidate
+    std::vector<std::vector<float>> samples;  // arrived timed calls per candidate, ms
+    int chosen = -1;
+  };
+  Trials& trials(int64_t bucket);
+
+  int candidates_;
+  std::map<int64_t, Trials> trials_;
+};
+
+class TimedChoice {
+ public:
   static constexpr int kMaxSpans = 2;
 
   TimedChoice(int candidates, int spans_per_call);
@@ -28,9 +60,8 @@ class TimedChoice {
   TimedChoice(const TimedChoice&) = delete;
   TimedChoice& operator=(const TimedChoice&) = delete;
 
-  // The candidate for the next call in `bucket`, one with available[c] true (at least one must be).
-  // Collects the times that have arrived; a call begun earlier whose spans were not all recorded is
-  // dropped and its candidate runs again.
+  // The candidate for the next call in `bucket` (TrialBook::next). Collects the times that have
+  // arrived; a call begun earlier whose spans were not all recorded is dropped and runs again.
   int choose(int64_t bucket, const std::vector<bool>& available);
   // The chosen call's spans, in order, on the stream they run on; no-ops for an untimed call.
   void begin_span(cudaStream_t stream);
@@ -38,7 +69,7 @@ class TimedChoice {
   // Ends any call in progress without its time (the caller ran something else).
   void abandon();
   // Whether `bucket` has made its choice: the choose() after the last timed call's time arrived.
-  bool settled(int64_t bucket) const;
+  bool settled(int64_t bucket) const { return book_.settled(bucket); }
 
  private:
   struct Slot {
@@ -48,23 +79,17 @@ class TimedChoice {
     int spans_recorded = 0;
     bool in_flight = false;
   };
-  struct Trials {
-    std::vector<int> issued;                  // calls begun per candidate
-    std::vector<std::vector<float>> samples;  // arrived timed calls per candidate, ms
-    int chosen = -1;
-  };
   static constexpr int kSlots = 4;
 
+  // Takes in every finished timed call; with wait_for_slot, first waits for that slot's call.
   void collect(bool wait_for_slot, int slot_index);
-  Trials& trials(int64_t bucket);
 
-  int candidates_;
+  TrialBook book_;
   int spans_per_call_;
   std::array<Slot, kSlots> slots_{};
   int next_slot_ = 0;
   int current_ = -1;  // slot of the call in progress, -1 when untimed or none
   bool span_open_ = false;
-  std::map<int64_t, Trials> trials_;
 };
 
 }  // namespace twell::cuda
