@@ -230,8 +230,6 @@ class SparseFfn {
   // Neurons a path runs densely ahead of TwELL (0 for TwELL and dense).
   int32_t hot_neurons(int path, int32_t hidden) const;
   bool path_available(int path, int32_t hidden) const;
-  static int64_t density_bucket(double nnz_per_row);
-  static int64_t bucket_key(int64_t rows, double nnz_per_row);
   float timed_run(int path, const bf16* x, int64_t rows, const DeviceFfnView& weights, bf16* y, cudaStream_t stream);
   void run_path(int path, const bf16* x, int64_t rows, const DeviceFfnView& weights, bf16* y, cudaStream_t stream);
 

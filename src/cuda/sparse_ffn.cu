@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "cuda/cuda_utils.h"
+#include "cuda/timed_choice.h"
 #include "twell/cuda.h"
 
 namespace twell::cuda {
@@ -40,15 +41,6 @@ int64_t SparseFfn::scratch_bytes() const {
                          packed_.tile_capacity * static_cast<int64_t>(sizeof(int32_t)) +
                          packed_.spill_capacity * packed_.shape.tile * static_cast<int64_t>(sizeof(bf16));
   return packed + dense_.scratch_bytes();
-}
-
-int64_t SparseFfn::density_bucket(double nnz_per_row) {
-  return nnz_per_row < 0 ? -1 : static_cast<int64_t>(std::floor(std::log2(1.0 + nnz_per_row)));
-}
-
-int64_t SparseFfn::bucket_key(int64_t rows, double nnz_per_row) {
-  const int64_t row_bucket = static_cast<int64_t>(std::ceil(std::log2(static_cast<double>(rows))));
-  return row_bucket * 64 + density_bucket(nnz_per_row) + 1;
 }
 
 void SparseFfn::read_counters() {
@@ -153,7 +145,7 @@ void SparseFfn::run(const bf16* x, int64_t rows, const DeviceFfnView& weights, b
     return;
   }
   const auto bucket = [&]() -> std::vector<float>& {
-    std::vector<float>& ms = timings_[bucket_key(rows, last_nnz_per_row_)];
+    std::vector<float>& ms = timings_[call_bucket(rows, last_nnz_per_row_)];
     if (ms.empty()) ms.assign(static_cast<size_t>(path_count()), -1.0f);
     return ms;
   };
@@ -164,7 +156,7 @@ void SparseFfn::run(const bf16* x, int64_t rows, const DeviceFfnView& weights, b
     finish(kTwellPath, /*measured=*/true);
     return;
   }
-  current_bucket_ = bucket_key(rows, last_nnz_per_row_);
+  current_bucket_ = call_bucket(rows, last_nnz_per_row_);
   std::vector<float>& timing = bucket();
   if (timing[kTwellPath] < 0) {
     const float twell_ms = timed_run(kTwellPath, x, rows, weights, y, stream);

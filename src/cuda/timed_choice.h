@@ -9,6 +9,7 @@
 #pragma once
 
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <map>
 #include <vector>
@@ -16,6 +17,17 @@
 #include <cuda_runtime.h>
 
 namespace twell::cuda {
+
+// The buckets of similar calls both dispatches (SparseFfn, the training op) keep their choices in:
+// floor(log2(1 + non-zeros per row)), -1 while unknown (nnz_per_row < 0); and per call, that with
+// ceil(log2 rows).
+inline int64_t density_bucket(double nnz_per_row) {
+  return nnz_per_row < 0 ? -1 : static_cast<int64_t>(std::floor(std::log2(1.0 + nnz_per_row)));
+}
+inline int64_t call_bucket(int64_t rows, double nnz_per_row) {
+  const int64_t row_bucket = static_cast<int64_t>(std::ceil(std::log2(static_cast<double>(rows))));
+  return row_bucket * 64 + density_bucket(nnz_per_row) + 1;
+}
 
 // The bookkeeping of a timed choice apart from the clock: which candidate the next call runs and
 // whether it is timed, the times that arrived, the choice. Host logic only.

@@ -176,9 +176,7 @@ struct FfnTrainOp::State {
     if (options.path != TrainPath::automatic || fractions.empty()) return {resolve_path(), options.hot_fraction};
     const int candidates = 2 + static_cast<int>(fractions.size());
     if (!timed) timed = std::make_unique<TimedChoice>(candidates, /*spans_per_call=*/2);
-    const double row_nnz = density_estimate() * d_hidden;
-    timed_bucket = static_cast<int64_t>(std::ceil(std::log2(static_cast<double>(m)))) * 64 +
-                   static_cast<int64_t>(std::floor(std::log2(1.0 + row_nnz)));
+    timed_bucket = call_bucket(m, density_estimate() * d_hidden);
     std::vector<bool> available(static_cast<size_t>(candidates), true);
     for (size_t k = 0; k < fractions.size(); ++k) available[2 + k] = split_neurons(d_hidden, fractions[k]) > 0;
     const int c = timed->choose(timed_bucket, available);
@@ -242,7 +240,7 @@ struct FfnTrainOp::State {
     dense_backward_input(grads.dx, stream, /*accumulate=*/false);
   }
   // The sparse step over all neurons, or over those past the hot ones plus the hot ones' dense step.
-  void sparse_or_split_forward(const bf16* x_in, int64_t m, const DeviceFfnView& w, double hot_fraction, bf16* y,
+  void sparse_or_split_forward(const bf16* x_in, int64_t m, const DeviceFfnView& w, int32_t hot_count, bf16* y,
                                cudaStream_t stream);
   void sparse_or_split_backward(const bf16* dy, const DeviceFfnGrads& grads, cudaStream_t stream);
   // Where the split's dense part runs: the side stream, or the caller's.
@@ -366,8 +364,7 @@ void FfnTrainOp::State::dense_backward_input(bf16* dx, cudaStream_t stream, bool
 }
 
 void FfnTrainOp::State::sparse_or_split_forward(const bf16* x_in, int64_t m, const DeviceFfnView& w,
-                                                double hot_fraction, bf16* y, cudaStream_t stream) {
-  const int32_t hot_count = split_neurons(w.d_hidden, hot_fraction);
+                                                int32_t hot_count, bf16* y, cudaStream_t stream) {
   hot_neurons = hot_count;
   if (hot_count == 0) {
     hot.reset();
@@ -479,7 +476,7 @@ void FfnTrainOp::forward(const bf16* x, int64_t rows, const DeviceFfnView& weigh
     s.hot.reset();
     s.dense_forward(x, rows, w, y, stream);
   } else {
-    s.sparse_or_split_forward(x, rows, w, hot_fraction, y, stream);
+    s.sparse_or_split_forward(x, rows, w, hot_count, y, stream);
   }
   if (s.timed) s.timed->end_span(stream);
 }

@@ -66,11 +66,7 @@ class CudaImpl : public FfnBenchImpl {
     y_count_ = static_cast<size_t>(rows_) * work.spec.d_model;
     y_ = cuda::make_device_array<bf16>(y_count_);
   }
-  double run_ms(int input) override {
-    const double ms = timer_.time_ms([&] { run(inputs_.at(input).get()); });
-    after_timed_call();
-    return ms;
-  }
+  double run_ms(int input) override { return timer_.time_ms([&] { run(inputs_.at(input).get()); }); }
   // Median ms of `reps` calls of fn(input set), rotating the input sets.
   template <typename Fn>
   double median_ms(int reps, Fn&& fn) {
@@ -85,7 +81,6 @@ class CudaImpl : public FfnBenchImpl {
 
  protected:
   virtual void run(const bf16* x) = 0;
-  virtual void after_timed_call() {}
   virtual bool sorts_neurons() const { return false; }
   int64_t rows_ = 0;
   cuda::DeviceFfnWeights weights_;
@@ -123,6 +118,11 @@ class CudaTwell : public CudaImpl {
     return kind_ == Kind::twell ? "twell" : kind_ == Kind::split ? "twell_split" : "twell_auto";
   }
   int64_t peak_bytes() const override { return ffn_.scratch_bytes(); }
+  double run_ms(int input) override {
+    const double ms = CudaImpl::run_ms(input);
+    measured_calls_ += ffn_.last_call_measured() ? 1 : 0;
+    return ms;
+  }
   // The dispatch times its paths per (M, density) bucket, and the rotated inputs may fall in more
   // than one density bucket: calls until 2 rounds of the input sets run without a measurement.
   int settle(int input_sets) override {
@@ -162,7 +162,6 @@ class CudaTwell : public CudaImpl {
 
  private:
   void run(const bf16* x) override { ffn_.run(x, rows_, weights_, y_.get()); }
-  void after_timed_call() override { measured_calls_ += ffn_.last_call_measured() ? 1 : 0; }
   bool sorts_neurons() const override { return kind_ != Kind::twell; }
   cuda::SparseFfn ffn_;
   int measured_calls_ = 0;  // warm-up and timed calls that were the dispatch's measurements
