@@ -435,6 +435,43 @@ TEST(CudaTrainOp, TimedDispatchTriesEveryCandidateThenSettles) {
   EXPECT_LE(op.held_bytes(), fixed.held_bytes() * 11 / 10);
 }
 
+// A forward from a given gate packing after automatic steps that split: the given gate covers
+// every neuron, so nothing of the split (its hot part, its gradient-row offset) may carry over.
+TEST(CudaTrainOp, GivenGateAfterASplitStep) {
+  if (!cuda::available()) GTEST_SKIP() << "no CUDA device";
+  const int64_t m = 200;
+  const int32_t d = 256, h = 1024;
+  const Workload w = make_workload({.rows = m, .d_model = d, .d_hidden = h, .density = 0.005, .seed = 11});
+  const std::vector<float> dy = random_bf16_values(w.x.size(), 13);
+  const cuda::DeviceFfnWeights weights = cuda::upload_weights(w.weights);
+  const cuda::DeviceArray<bf16> x = cuda::upload_bf16(w.x.data(), w.x.size());
+  const cuda::DeviceArray<bf16> dy_device = cuda::upload_bf16(dy.data(), dy.size());
+  const TwellMatrix gate = ref::gate_to_twell(w.x.data(), m, w.weights, 128, 4);
+  cuda::DeviceTwell packed;
+  cuda::upload(gate, packed);
+  cuda::FfnTrainOp op({.l1_coeff = 0.01});
+  int32_t hot = 0;
+  for (int step = 0; step < 30 && hot == 0; ++step) {
+    cuda::DeviceArray<bf16> y = poisoned_bf16(w.x.size());
+    DeviceGrads grads(m, d, h);
+    op.forward(x.get(), m, weights, y.get(), nullptr);
+    op.backward(dy_device.get(), grads.view(), nullptr);
+    hot = op.stats(nullptr).hot_neurons;
+  }
+  ASSERT_GT(hot, 0) << "the timed dispatch never tried a split";
+  cuda::DeviceArray<bf16> y = poisoned_bf16(w.x.size());
+  DeviceGrads grads(m, d, h);
+  op.forward(x.get(), m, weights, packed, y.get(), nullptr);
+  op.backward(dy_device.get(), grads.view(), nullptr);
+  const cuda::FfnTrainStats stats = op.stats(nullptr);
+  ASSERT_EQ(stats.path, cuda::TrainPath::sparse);
+  EXPECT_EQ(stats.hot_neurons, 0);
+  const Reference ref = reference_for(w, hybrid_from_twell(gate, 1), dy, 0.01);
+  expect_matches(ref, cuda::download_bf16(y.get(), w.x.size()), cuda::download_bf16(grads.dx.get(), w.x.size()),
+                 download_floats(grads.d_gate.get(), int64_t{h} * d), download_floats(grads.d_up.get(), int64_t{h} * d),
+                 download_floats(grads.d_down.get(), int64_t{h} * d), stats, kTolerance);
+}
+
 TEST(CudaTrainOp, RefusesBadInput) {
   if (!cuda::available()) GTEST_SKIP() << "no CUDA device";
   const Workload w = make_workload({.rows = 4, .d_model = 64, .d_hidden = 128, .density = 0.1, .gated = false});

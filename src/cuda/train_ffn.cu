@@ -39,12 +39,23 @@ struct SparseBuffers {
   }
 };
 
-// The dense path's [M, H] activations (bf16): the gate pre-activation, u (then dg), h, dh (then du).
+// The dense path's activations (bf16). gate_up holds each row's gate pre-activation and u side by
+// side ([M, 2·S], S = H rounded up to 64: u starts S elements into the row), which the backward
+// overwrites with dg and du; where the gate and up weights are copied side by side too
+// (merge_gate_up), each pair of products is one GEMM of twice the width or depth.
 struct DenseBuffers {
-  DeviceBuffer<bf16> g_pre, u, h, dh;
+  DeviceBuffer<bf16> gate_up, h, dh;        // [M, 2·S], [M, H], [M, H]
+  DeviceBuffer<bf16> weights_gate_up;      // [2·H, D] merge_gate_up only: Wg's rows, then Wu's
+  DeviceBuffer<float> d_gate_up;           // [2·H, D] merge_gate_up only: dWg's rows, then dWu's
 
-  int64_t bytes() const { return static_cast<int64_t>(g_pre.bytes() + u.bytes() + h.bytes() + dh.bytes()); }
+  int64_t bytes() const {
+    return static_cast<int64_t>(gate_up.bytes() + h.bytes() + dh.bytes() + weights_gate_up.bytes() +
+                                d_gate_up.bytes());
+  }
 };
+
+// S above: whole 128-byte lines, so that u and du start aligned for cuBLASLt and the vector loads.
+int64_t gate_up_stride(int32_t d_hidden) { return (int64_t{d_hidden} + 63) / 64 * 64; }
 
 int32_t round_up(int64_t value, int32_t multiple) {
   return static_cast<int32_t>((value + multiple - 1) / multiple * multiple);
@@ -85,7 +96,8 @@ struct FfnTrainOp::State {
   DenseBuffers dense;
   DeviceBuffer<float> l1_row;     // [M] Σ|h| per row
   DeviceBuffer<int32_t> nnz_row;  // [M] dense path: non-zeros of g per row
-  DeviceBuffer<double> stats;     // [2] l1, l0
+  DeviceBuffer<double> stats;     // [2] l1, l0, then the reduction's scratch (finish_step_stats)
+  DeviceBuffer<uint32_t> stats_ticket;  // [1] the reduction's block count, back to 0 after each
 
   // Read back without waiting: the next step's dispatch uses them once they have arrived.
   HybridCounters* counters_host = nullptr;  // pinned
@@ -109,6 +121,9 @@ struct FfnTrainOp::State {
   std::unique_ptr<State> hot;
   std::unique_ptr<SideStream> side;
   int32_t hot_neurons = 0;  // of the last forward; 0 = no split
+  // Dense steps run the gate and up products as one GEMM each way (the split's hot part: at its
+  // narrow H the pairs of GEMMs were each short of the tensor cores' rate). Needs H % 64 == 0.
+  bool merge_gate_up = false;
   int32_t step_hidden = 0;  // H of the last forward, all neurons
 
   // The timed dispatch (options.hot_fractions): candidate 0 the dense path, 1 the sparse path, 2 + k
@@ -124,7 +139,9 @@ struct FfnTrainOp::State {
     TWELL_CUDA_CHECK(cudaMallocHost(&counters_host, sizeof(HybridCounters)));
     TWELL_CUDA_CHECK(cudaMallocHost(&stats_host, 2 * sizeof(double)));
     TWELL_CUDA_CHECK(cudaEventCreateWithFlags(&stats_ready, cudaEventDisableTiming));
-    stats.resize(2);
+    stats.resize(kStepStatsDoubles);
+    stats_ticket.resize(1);
+    TWELL_CUDA_CHECK(cudaMemset(stats_ticket.data(), 0, sizeof(uint32_t)));
   }
   ~State() {
     if (stats_ready) cudaEventDestroy(stats_ready);
@@ -162,7 +179,7 @@ struct FfnTrainOp::State {
 
   int64_t bytes() const {
     return sparse.bytes() + dense.bytes() + (own_gemm ? own_gemm->workspace_bytes() : 0) +
-           static_cast<int64_t>(l1_row.bytes() + nnz_row.bytes() + stats.bytes()) + (hot ? hot->bytes() : 0);
+           static_cast<int64_t>(l1_row.bytes() + nnz_row.bytes() + stats.bytes() + stats_ticket.bytes()) + (hot ? hot->bytes() : 0);
   }
 
   TrainPath resolve_path() {
@@ -201,7 +218,8 @@ struct FfnTrainOp::State {
   }
 
   void finish_forward(int64_t m, const int32_t* nnz_per_row, cudaStream_t stream) {
-    finish_step_stats(l1_row.data(), nnz_per_row, m, options.l1_coeff / static_cast<double>(m), stats.data(), stream);
+    finish_step_stats(l1_row.data(), nnz_per_row, m, options.l1_coeff / static_cast<double>(m), stats.data(),
+                      stats_ticket.data(), stream);
     TWELL_CUDA_CHECK(cudaMemcpyAsync(stats_host, stats.data(), 2 * sizeof(double), cudaMemcpyDeviceToHost, stream));
     TWELL_CUDA_CHECK(cudaEventRecord(stats_ready, stream));
     stats_pending = true;
@@ -323,15 +341,28 @@ void FfnTrainOp::State::dense_forward_hidden(const bf16* x_in, int64_t m, const 
                                              cudaStream_t stream) {
   sparse = SparseBuffers{};
   const int32_t d = w.d_model, h = w.d_hidden;
-  const int64_t hidden = m * h;
-  dense.g_pre.resize(hidden);
-  dense.u.resize(hidden);
-  dense.h.resize(hidden);
+  const int64_t stride = gate_up_stride(h);
+  dense.gate_up.resize(m * 2 * stride);
+  dense.h.resize(m * h);
   l1_row.resize(m);
   nnz_row.resize(m);
-  gemm.run(m, h, d, {x_in, d, false}, {w.gate, d, true}, dense.g_pre.data(), h, GemmOutput::bf16, 0.0f, stream);
-  gemm.run(m, h, d, {x_in, d, false}, {w.up, d, true}, dense.u.data(), h, GemmOutput::bf16, 0.0f, stream);
-  gated_product_rows(dense.g_pre.data(), dense.u.data(), m, h, dense.h.data(), l1_row.data(), nnz_row.data(), stream);
+  bf16* gate_up = dense.gate_up.data();
+  if (merge_gate_up) {
+    TWELL_REQUIRE(stride == h, "merged gate and up GEMMs need H % 64 == 0, got {}", h);
+    const int64_t block = int64_t{h} * d;
+    dense.weights_gate_up.resize(2 * block);
+    TWELL_CUDA_CHECK(cudaMemcpyAsync(dense.weights_gate_up.data(), w.gate, block * sizeof(bf16),
+                                     cudaMemcpyDeviceToDevice, stream));
+    TWELL_CUDA_CHECK(cudaMemcpyAsync(dense.weights_gate_up.data() + block, w.up, block * sizeof(bf16),
+                                     cudaMemcpyDeviceToDevice, stream));
+    gemm.run(m, 2 * h, d, {x_in, d, false}, {dense.weights_gate_up.data(), d, true}, gate_up, 2 * stride,
+             GemmOutput::bf16, 0.0f, stream);
+  } else {
+    gemm.run(m, h, d, {x_in, d, false}, {w.gate, d, true}, gate_up, 2 * stride, GemmOutput::bf16, 0.0f, stream);
+    gemm.run(m, h, d, {x_in, d, false}, {w.up, d, true}, gate_up + stride, 2 * stride, GemmOutput::bf16, 0.0f,
+             stream);
+  }
+  gated_product_rows(gate_up, stride, m, h, dense.h.data(), l1_row.data(), nnz_row.data(), stream);
   remember(TrainPath::dense, x_in, m, w, nullptr, 0);
 }
 
@@ -347,20 +378,41 @@ void FfnTrainOp::State::dense_backward_weights(const bf16* dy, const DeviceFfnGr
   const int32_t d = w.d_model, h = w.d_hidden;
   const int64_t m = rows;
   const float l1_scale = static_cast<float>(options.l1_coeff / static_cast<double>(m));
+  const int64_t stride = gate_up_stride(h);
+  bf16* gate_up = dense.gate_up.data();
   dense.dh.resize(m * h);
   gemm.run(m, h, d, {dy, d, false}, {w.down, d, true}, dense.dh.data(), h, GemmOutput::bf16, 0.0f, stream);
-  // dg replaces u, du replaces dh.
-  gated_product_grad_rows_in_place(dense.g_pre.data(), dense.u.data(), dense.dh.data(), m, h, l1_scale, stream);
+  // dg and du replace g_pre and u.
+  gated_product_grad_rows_in_place(gate_up, stride, dense.dh.data(), m, h, l1_scale, stream);
   gemm.run(h, d, m, {dense.h.data(), h, true}, {dy, d, false}, grads.d_down, d, GemmOutput::f32, 0.0f, stream);
-  gemm.run(h, d, m, {dense.u.data(), h, true}, {x, d, false}, grads.d_gate, d, GemmOutput::f32, 0.0f, stream);
-  gemm.run(h, d, m, {dense.dh.data(), h, true}, {x, d, false}, grads.d_up, d, GemmOutput::f32, 0.0f, stream);
+  if (merge_gate_up) {
+    const int64_t block = int64_t{h} * d;
+    dense.d_gate_up.resize(2 * block);
+    gemm.run(2 * h, d, m, {gate_up, 2 * stride, true}, {x, d, false}, dense.d_gate_up.data(), d, GemmOutput::f32,
+             0.0f, stream);
+    TWELL_CUDA_CHECK(cudaMemcpyAsync(grads.d_gate, dense.d_gate_up.data(), block * sizeof(float),
+                                     cudaMemcpyDeviceToDevice, stream));
+    TWELL_CUDA_CHECK(cudaMemcpyAsync(grads.d_up, dense.d_gate_up.data() + block, block * sizeof(float),
+                                     cudaMemcpyDeviceToDevice, stream));
+    return;
+  }
+  gemm.run(h, d, m, {gate_up, 2 * stride, true}, {x, d, false}, grads.d_gate, d, GemmOutput::f32, 0.0f, stream);
+  gemm.run(h, d, m, {gate_up + stride, 2 * stride, true}, {x, d, false}, grads.d_up, d, GemmOutput::f32, 0.0f, stream);
 }
 
 void FfnTrainOp::State::dense_backward_input(bf16* dx, cudaStream_t stream, bool accumulate) {
   const int32_t d = weights.d_model, h = weights.d_hidden;
-  gemm.run(rows, d, h, {dense.u.data(), h, false}, {weights.gate, d, false}, dx, d, GemmOutput::bf16,
-           accumulate ? 1.0f : 0.0f, stream);
-  gemm.run(rows, d, h, {dense.dh.data(), h, false}, {weights.up, d, false}, dx, d, GemmOutput::bf16, 1.0f, stream);
+  const int64_t stride = gate_up_stride(h);
+  const bf16* dg_du = dense.gate_up.data();
+  const float beta = accumulate ? 1.0f : 0.0f;
+  if (merge_gate_up) {
+    gemm.run(rows, d, 2 * h, {dg_du, 2 * stride, false}, {dense.weights_gate_up.data(), d, false}, dx, d,
+             GemmOutput::bf16, beta, stream);
+    return;
+  }
+  gemm.run(rows, d, h, {dg_du, 2 * stride, false}, {weights.gate, d, false}, dx, d, GemmOutput::bf16, beta, stream);
+  gemm.run(rows, d, h, {dg_du + stride, 2 * stride, false}, {weights.up, d, false}, dx, d, GemmOutput::bf16, 1.0f,
+           stream);
 }
 
 void FfnTrainOp::State::sparse_or_split_forward(const bf16* x_in, int64_t m, const DeviceFfnView& w,
@@ -375,10 +427,12 @@ void FfnTrainOp::State::sparse_or_split_forward(const bf16* x_in, int64_t m, con
   // Kept across steps once made: a dense step frees the hot state's activations, not the stream.
   if (options.split_side_stream && !side) side = std::make_unique<SideStream>();
   if (!hot) {
-    // Side by side the two parts need workspaces of their own; 8 MiB is all cuBLASLt asks for at these shapes.
+    // Side by side the two parts need workspaces of their own. The full 32 MiB: the merged weight
+    // gradients ([2·hot, D] over K = M) want split-K partials.
     const FfnTrainOptions dense_options{.l1_coeff = options.l1_coeff, .path = TrainPath::dense};
-    hot = side ? std::make_unique<State>(dense_options, nullptr, size_t{8} << 20)
+    hot = side ? std::make_unique<State>(dense_options, nullptr, RowMajorGemm::kDefaultWorkspaceBytes)
                : std::make_unique<State>(dense_options, &gemm);
+    hot->merge_gate_up = true;  // hot counts are whole multiples of 64
   }
   const cudaStream_t hot_on = hot_stream(stream);
   if (side) side->wait_for(stream);  // x
@@ -489,6 +543,8 @@ void FfnTrainOp::forward(const bf16* x, int64_t rows, const DeviceFfnView& weigh
   TWELL_REQUIRE(s.options.hot_fraction == 0, "a given gate packing covers every neuron: no split (hot_fraction {})",
                 s.options.hot_fraction);
   if (s.timed) s.timed->abandon();
+  s.hot_neurons = 0;  // a given gate covers every neuron (an earlier automatic step may have split)
+  s.hot.reset();
   const TrainPath path = s.resolve_path();
   s.step_hidden = w.d_hidden;
   if (path == TrainPath::dense) {
@@ -508,6 +564,8 @@ void FfnTrainOp::forward(const bf16* x, int64_t rows, const DeviceFfnView& weigh
   TWELL_REQUIRE(s.options.hot_fraction == 0, "a given gate covers every neuron: no split (hot_fraction {})",
                 s.options.hot_fraction);
   if (s.timed) s.timed->abandon();
+  s.hot_neurons = 0;  // a given gate covers every neuron (an earlier automatic step may have split)
+  s.hot.reset();
   s.step_hidden = w.d_hidden;
   const HybridCounters counters = s.read_counters(gate, stream);
   TWELL_REQUIRE(counters.gate_incomplete == 0, "hybrid gate was converted from an incomplete TwELL packing");

@@ -120,18 +120,23 @@ void scatter_rows(const bf16* src, const int32_t* rows, int32_t count, int32_t d
 // `g` and `u` have leading dimension H; u is fp32 for the backup, bf16 on the dense path.
 void gated_product_rows(const bf16* g, const float* u, int32_t count, int32_t d_hidden, const int32_t* row_of,
                         bf16* h, float* l1_row, cudaStream_t stream);
-// Dense path: g_pre is the pre-activation; also counts nnz_row[r] = #{g_pre > 0}.
-void gated_product_rows(const bf16* g_pre, const bf16* u, int64_t rows, int32_t d_hidden, bf16* h, float* l1_row,
+// Dense path: gate_up row r holds the gate pre-activation g_pre at [0, H) and u at [S, S + H)
+// (row length 2·S, S a multiple of 8); also counts nnz_row[r] = #{g_pre > 0}.
+void gated_product_rows(const bf16* gate_up, int64_t stride, int64_t rows, int32_t d_hidden, bf16* h, float* l1_row,
                         int32_t* nnz_row, cudaStream_t stream);
 // Where g != 0: d = dh + l1_scale·sign(g·u); dg = d·u, du = d·g; elsewhere both 0.  bf16 [count, H].
 void gated_product_grad_rows(const bf16* g, const float* u, const float* dh, int64_t count, int32_t d_hidden,
                              float l1_scale, bf16* dg, bf16* du, cudaStream_t stream);
-// Dense path, in place: dg over u, du over dh.
-void gated_product_grad_rows_in_place(const bf16* g_pre, bf16* u_then_dg, bf16* dh_then_du, int64_t rows,
-                                      int32_t d_hidden, float l1_scale, cudaStream_t stream);
+// Dense path, in place in gate_up (layout above): dg over g_pre, du over u.
+void gated_product_grad_rows_in_place(bf16* gate_up, int64_t stride, const bf16* dh, int64_t rows, int32_t d_hidden,
+                                      float l1_scale, cudaStream_t stream);
 
-// stats[0] = l1_scale·Σ l1_row, stats[1] = Σ nnz_row / M (one block, fixed order: deterministic).
+// stats[0] = l1_scale·Σ l1_row, stats[1] = Σ nnz_row / M. Blocks sum fixed ranges into stats[2..]
+// and the last block to finish adds those in block order (deterministic); `ticket` counts the
+// finished blocks and is 0 again afterwards (0 before the first call).
+constexpr int kStepStatsBlocks = 32;
+constexpr int kStepStatsDoubles = 2 + 2 * kStepStatsBlocks;  // the size of `stats`
 void finish_step_stats(const float* l1_row, const int32_t* nnz_row, int64_t rows, double l1_scale, double* stats,
-                       cudaStream_t stream);
+                       uint32_t* ticket, cudaStream_t stream);
 
 }  // namespace twell::cuda

@@ -370,17 +370,19 @@ __device__ __forceinline__ void store_row_values(bf16* p, const float (&in)[kVec
 }
 
 template <int kVec>
-__global__ void dense_product_kernel(const bf16* g_pre, const bf16* u, int32_t d_hidden, bf16* h, float* l1_row,
+__global__ void dense_product_kernel(const bf16* gate_up, int64_t stride, int32_t d_hidden, bf16* h, float* l1_row,
                                      int32_t* nnz_row) {
   __shared__ float partial[kElementwiseThreads / kWarp];
   __shared__ int32_t partial_count[kElementwiseThreads / kWarp];
   const int64_t base = static_cast<int64_t>(blockIdx.x) * d_hidden;
+  const bf16* g_pre = gate_up + static_cast<int64_t>(blockIdx.x) * 2 * stride;
+  const bf16* u = g_pre + stride;
   float l1 = 0.0f;
   int32_t count = 0;
   for (int32_t c = threadIdx.x * kVec; c < d_hidden; c += blockDim.x * kVec) {
     float gv[kVec], uv[kVec], hv[kVec];
-    load_row_values(g_pre + base + c, gv);
-    load_row_values(u + base + c, uv);
+    load_row_values(g_pre + c, gv);
+    load_row_values(u + c, uv);
 #pragma unroll
     for (int i = 0; i < kVec; ++i) {
       const bool on = gv[i] > 0.0f;
@@ -399,14 +401,16 @@ __global__ void dense_product_kernel(const bf16* g_pre, const bf16* u, int32_t d
 }
 
 template <int kVec>
-__global__ void dense_product_grad_kernel(const bf16* g_pre, bf16* u_then_dg, bf16* dh_then_du, int32_t d_hidden,
+__global__ void dense_product_grad_kernel(bf16* gate_up, int64_t stride, const bf16* dh, int32_t d_hidden,
                                           float l1_scale) {
-  const int64_t base = static_cast<int64_t>(blockIdx.x) * d_hidden;
+  bf16* g_then_dg = gate_up + static_cast<int64_t>(blockIdx.x) * 2 * stride;
+  bf16* u_then_du = g_then_dg + stride;
+  const bf16* dh_row = dh + static_cast<int64_t>(blockIdx.x) * d_hidden;
   for (int32_t c = threadIdx.x * kVec; c < d_hidden; c += blockDim.x * kVec) {
     float gv[kVec], uv[kVec], dhv[kVec], dg[kVec], du[kVec];
-    load_row_values(g_pre + base + c, gv);
-    load_row_values(u_then_dg + base + c, uv);
-    load_row_values(dh_then_du + base + c, dhv);
+    load_row_values(g_then_dg + c, gv);
+    load_row_values(u_then_du + c, uv);
+    load_row_values(dh_row + c, dhv);
 #pragma unroll
     for (int i = 0; i < kVec; ++i) {
       const bool on = gv[i] > 0.0f;
@@ -414,25 +418,44 @@ __global__ void dense_product_grad_kernel(const bf16* g_pre, bf16* u_then_dg, bf
       dg[i] = on ? d * uv[i] : 0.0f;
       du[i] = on ? d * gv[i] : 0.0f;
     }
-    store_row_values(u_then_dg + base + c, dg);
-    store_row_values(dh_then_du + base + c, du);
+    store_row_values(g_then_dg + c, dg);
+    store_row_values(u_then_du + c, du);
   }
 }
 
-__global__ void finish_stats_kernel(const float* l1_row, const int32_t* nnz_row, int64_t rows, double l1_scale,
-                                    double* stats) {
-  __shared__ double partial[1024 / kWarp];
+constexpr int kStatsThreads = 256;
+
+__global__ void __launch_bounds__(kStatsThreads) finish_stats_kernel(const float* l1_row, const int32_t* nnz_row,
+                                                                     int64_t rows, double l1_scale, double* stats,
+                                                                     uint32_t* ticket) {
+  __shared__ double partial[kStatsThreads / kWarp];
+  __shared__ bool last;
   double l1 = 0.0, nnz = 0.0;
-  for (int64_t r = threadIdx.x; r < rows; r += blockDim.x) {
+  const int64_t step = int64_t{kStepStatsBlocks} * kStatsThreads;
+  for (int64_t r = blockIdx.x * int64_t{kStatsThreads} + threadIdx.x; r < rows; r += step) {
     l1 += l1_row[r];
     nnz += nnz_row[r];
   }
   l1 = block_sum(l1, partial);
   nnz = block_sum(nnz, partial);
+  double* block_sums = stats + 2;
   if (threadIdx.x == 0) {
-    stats[0] = l1_scale * l1;
-    stats[1] = nnz / static_cast<double>(rows);
+    block_sums[2 * blockIdx.x] = l1;
+    block_sums[2 * blockIdx.x + 1] = nnz;
+    __threadfence();  // the sums are visible before the ticket says so
+    last = atomicAdd(ticket, 1u) == kStepStatsBlocks - 1;
   }
+  __syncthreads();
+  if (!last || threadIdx.x != 0) return;
+  __threadfence();
+  double l1_total = 0.0, nnz_total = 0.0;
+  for (int b = 0; b < kStepStatsBlocks; ++b) {
+    l1_total += __ldcg(block_sums + 2 * b);  // past the L1: other SMs wrote them
+    nnz_total += __ldcg(block_sums + 2 * b + 1);
+  }
+  stats[0] = l1_scale * l1_total;
+  stats[1] = nnz_total / static_cast<double>(rows);
+  *ticket = 0;
 }
 
 unsigned grid_of(int64_t blocks) {
@@ -522,13 +545,14 @@ void gated_product_rows(const bf16* g, const float* u, int32_t count, int32_t d_
   TWELL_CUDA_CHECK_LAUNCH();
 }
 
-void gated_product_rows(const bf16* g_pre, const bf16* u, int64_t rows, int32_t d_hidden, bf16* h, float* l1_row,
+void gated_product_rows(const bf16* gate_up, int64_t stride, int64_t rows, int32_t d_hidden, bf16* h, float* l1_row,
                         int32_t* nnz_row, cudaStream_t stream) {
+  TWELL_REQUIRE(stride % kVector == 0 && stride >= d_hidden, "gate_up row stride {} for H = {}", stride, d_hidden);
   if (d_hidden % kVector == 0)
-    dense_product_kernel<kVector><<<grid_of(rows), kElementwiseThreads, 0, stream>>>(g_pre, u, d_hidden, h, l1_row,
-                                                                                     nnz_row);
+    dense_product_kernel<kVector><<<grid_of(rows), kElementwiseThreads, 0, stream>>>(gate_up, stride, d_hidden, h,
+                                                                                     l1_row, nnz_row);
   else
-    dense_product_kernel<1><<<grid_of(rows), kElementwiseThreads, 0, stream>>>(g_pre, u, d_hidden, h, l1_row,
+    dense_product_kernel<1><<<grid_of(rows), kElementwiseThreads, 0, stream>>>(gate_up, stride, d_hidden, h, l1_row,
                                                                                nnz_row);
   TWELL_CUDA_CHECK_LAUNCH();
 }
@@ -540,21 +564,21 @@ void gated_product_grad_rows(const bf16* g, const float* u, const float* dh, int
   TWELL_CUDA_CHECK_LAUNCH();
 }
 
-void gated_product_grad_rows_in_place(const bf16* g_pre, bf16* u_then_dg, bf16* dh_then_du, int64_t rows,
-                                      int32_t d_hidden, float l1_scale, cudaStream_t stream) {
+void gated_product_grad_rows_in_place(bf16* gate_up, int64_t stride, const bf16* dh, int64_t rows, int32_t d_hidden,
+                                      float l1_scale, cudaStream_t stream) {
+  TWELL_REQUIRE(stride % kVector == 0 && stride >= d_hidden, "gate_up row stride {} for H = {}", stride, d_hidden);
   if (d_hidden % kVector == 0)
-    dense_product_grad_kernel<kVector><<<grid_of(rows), kElementwiseThreads, 0, stream>>>(g_pre, u_then_dg,
-                                                                                          dh_then_du, d_hidden,
-                                                                                          l1_scale);
+    dense_product_grad_kernel<kVector><<<grid_of(rows), kElementwiseThreads, 0, stream>>>(gate_up, stride, dh,
+                                                                                          d_hidden, l1_scale);
   else
-    dense_product_grad_kernel<1><<<grid_of(rows), kElementwiseThreads, 0, stream>>>(g_pre, u_then_dg, dh_then_du,
-                                                                                    d_hidden, l1_scale);
+    dense_product_grad_kernel<1><<<grid_of(rows), kElementwiseThreads, 0, stream>>>(gate_up, stride, dh, d_hidden,
+                                                                                    l1_scale);
   TWELL_CUDA_CHECK_LAUNCH();
 }
 
 void finish_step_stats(const float* l1_row, const int32_t* nnz_row, int64_t rows, double l1_scale, double* stats,
-                       cudaStream_t stream) {
-  finish_stats_kernel<<<1, 1024, 0, stream>>>(l1_row, nnz_row, rows, l1_scale, stats);
+                       uint32_t* ticket, cudaStream_t stream) {
+  finish_stats_kernel<<<kStepStatsBlocks, kStatsThreads, 0, stream>>>(l1_row, nnz_row, rows, l1_scale, stats, ticket);
   TWELL_CUDA_CHECK_LAUNCH();
 }
 
