@@ -118,6 +118,9 @@ cublasLtMatmulAlgo_t RowMajorGemm::fastest(const Plan& plan, const cublasLtMatmu
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   TWELL_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
   if (capture != cudaStreamCaptureStatusNone) return results[0].algo;  // no timing inside a graph
+  // Alone on the device: work of other streams (a training split runs its two parts side by side)
+  // would share the SMs with the timed runs and could make a slower algorithm look faster.
+  TWELL_CUDA_CHECK(cudaDeviceSynchronize());
   // Timed into a scratch C, so the caller's C (which beta may add to) is untouched.
   DeviceBuffer<uint8_t> scratch;
   scratch.resize(c_bytes);
