@@ -178,6 +178,32 @@ void expect_matches(const Reference& ref, const std::vector<float>& y, const std
   EXPECT_NEAR(stats.l0, ref.forward.l0, 1e-9 * (1 + ref.forward.l0));
 }
 
+// One training step of `op` on the device (from `gate` when given) into poisoned outputs; everything
+// back in host floats.
+struct StepResult {
+  std::vector<float> y, dx, d_gate, d_up, d_down;
+  cuda::FfnTrainStats stats;
+};
+StepResult run_step(cuda::FfnTrainOp& op, const bf16* x, int64_t m, const cuda::DeviceFfnWeights& weights,
+                    const bf16* dy, const cuda::DeviceTwell* gate) {
+  const int32_t d = weights.d_model, h = weights.d_hidden;
+  cuda::DeviceArray<bf16> y = poisoned_bf16(m * d);
+  DeviceGrads grads(m, d, h);
+  if (gate)
+    op.forward(x, m, weights, *gate, y.get(), nullptr);
+  else
+    op.forward(x, m, weights, y.get(), nullptr);
+  op.backward(dy, grads.view(), nullptr);
+  StepResult r;
+  r.stats = op.stats(nullptr);
+  r.y = cuda::download_bf16(y.get(), m * d);
+  r.dx = cuda::download_bf16(grads.dx.get(), m * d);
+  r.d_gate = download_floats(grads.d_gate.get(), int64_t{h} * d);
+  r.d_up = download_floats(grads.d_up.get(), int64_t{h} * d);
+  r.d_down = download_floats(grads.d_down.get(), int64_t{h} * d);
+  return r;
+}
+
 class CudaTrainTest : public test::CudaTest<testing::TestWithParam<TrainCase>> {
  protected:
   Workload workload() const {
@@ -186,33 +212,12 @@ class CudaTrainTest : public test::CudaTest<testing::TestWithParam<TrainCase>> {
                           .hot_neurons = c.hot_neurons, .seed = static_cast<uint64_t>(c.rows * 31 + c.d_hidden)});
   }
 
-  // One training step of `op` on the device; returns everything in host floats.
-  struct StepResult {
-    std::vector<float> y, dx, d_gate, d_up, d_down;
-    cuda::FfnTrainStats stats;
-  };
   static StepResult step(cuda::FfnTrainOp& op, const Workload& w, const std::vector<float>& dy,
                          const cuda::DeviceTwell* gate) {
-    const int64_t m = w.spec.rows;
-    const int32_t d = w.spec.d_model, h = w.spec.d_hidden;
     const cuda::DeviceFfnWeights weights = test::upload_weights_any_width(w.weights);
     const cuda::DeviceArray<bf16> x = cuda::upload_bf16(w.x.data(), w.x.size());
     const cuda::DeviceArray<bf16> dy_device = cuda::upload_bf16(dy.data(), dy.size());
-    cuda::DeviceArray<bf16> y = poisoned_bf16(m * d);
-    DeviceGrads grads(m, d, h);
-    if (gate)
-      op.forward(x.get(), m, weights, *gate, y.get(), nullptr);
-    else
-      op.forward(x.get(), m, weights, y.get(), nullptr);
-    op.backward(dy_device.get(), grads.view(), nullptr);
-    StepResult r;
-    r.stats = op.stats(nullptr);
-    r.y = cuda::download_bf16(y.get(), m * d);
-    r.dx = cuda::download_bf16(grads.dx.get(), m * d);
-    r.d_gate = download_floats(grads.d_gate.get(), int64_t{h} * d);
-    r.d_up = download_floats(grads.d_up.get(), int64_t{h} * d);
-    r.d_down = download_floats(grads.d_down.get(), int64_t{h} * d);
-    return r;
+    return run_step(op, x.get(), w.spec.rows, weights, dy_device.get(), gate);
   }
 };
 
@@ -304,35 +309,49 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaTrainTest,
                                          TrainCase{1000, 128, 512, 0.02, 64, 0.01, 4}),
                          case_name);
 
-// The op as a trainer calls it: gate packed by the CUDA gate kernel, automatic dispatch, several
-// steps (the dispatch and the ELL width follow the measured density).
+// One problem for the whole op (M = 200, D = 256, H = 1024, L1 0.01) on the device, with its
+// float64 reference on the reference's own gate pattern: the kernel's fp32 gate can differ from it
+// only where the gate is within rounding of 0, which moves the results negligibly.
+struct OpProblem {
+  static constexpr int64_t m = 200;
+  static constexpr int32_t d = 256, h = 1024;
+  Workload w;
+  std::vector<float> dy;
+  cuda::DeviceFfnWeights weights;
+  cuda::DeviceArray<bf16> x, dy_device;
+  TwellMatrix gate;
+  Reference ref;
+
+  OpProblem(double density, uint64_t seed, uint64_t dy_seed)
+      : w(make_workload({.rows = m, .d_model = d, .d_hidden = h, .density = density, .seed = seed})),
+        dy(random_bf16_values(w.x.size(), dy_seed)),
+        weights(cuda::upload_weights(w.weights)),
+        x(cuda::upload_bf16(w.x.data(), w.x.size())),
+        dy_device(cuda::upload_bf16(dy.data(), dy.size())),
+        gate(ref::gate_to_twell(w.x.data(), m, w.weights, 128, 4)),
+        ref(reference_for(w, hybrid_from_twell(gate, 1), dy, 0.01)) {}
+
+  // One step of `op` (from `packed` when given), checked against the reference; its statistics.
+  cuda::FfnTrainStats step(cuda::FfnTrainOp& op, double tolerance, const cuda::DeviceTwell* packed = nullptr) const {
+    const StepResult r = run_step(op, x.get(), m, weights, dy_device.get(), packed);
+    expect_matches(ref, r.y, r.dx, r.d_gate, r.d_up, r.d_down, r.stats, tolerance);
+    return r.stats;
+  }
+};
+
+// The op as a trainer calls it: gate packed by the CUDA gate kernel, automatic dispatch by the
+// threshold rule, several steps (the dispatch and the ELL width follow the measured density).
 TEST(CudaTrainOp, GateKernelAndAutomaticDispatch) {
   if (!cuda::available()) GTEST_SKIP() << "no CUDA device";
   for (double density : {0.005, 0.3}) {
-    const Workload w = make_workload({.rows = 200, .d_model = 256, .d_hidden = 1024, .density = density, .seed = 5});
-    const std::vector<float> dy = random_bf16_values(w.x.size(), 3);
-    const cuda::DeviceFfnWeights weights = cuda::upload_weights(w.weights);
-    const cuda::DeviceArray<bf16> x = cuda::upload_bf16(w.x.data(), w.x.size());
-    const cuda::DeviceArray<bf16> dy_device = cuda::upload_bf16(dy.data(), dy.size());
+    const OpProblem problem(density, 5, 3);
     cuda::FfnTrainOp op({.l1_coeff = 0.01, .expected_density = 0.01, .dense_above_density = 0.1, .hot_fractions = {}});
     for (int step = 0; step < 3; ++step) {
-      cuda::DeviceArray<bf16> y = poisoned_bf16(w.x.size());
-      DeviceGrads grads(200, 256, 1024);
-      op.forward(x.get(), 200, weights, y.get(), nullptr);
-      op.backward(dy_device.get(), grads.view(), nullptr);
-      const cuda::FfnTrainStats stats = op.stats(nullptr);
+      SCOPED_TRACE(testing::Message() << "density " << density << ", step " << step);
+      const cuda::FfnTrainStats stats = problem.step(op, kDenseTolerance);
       // The first step trusts expected_density (sparse); later ones the measured density.
       const bool dense_expected = step > 0 && density > 0.1;
-      EXPECT_EQ(stats.path, dense_expected ? cuda::TrainPath::dense : cuda::TrainPath::sparse) << "step " << step;
-      // Against the reference on the reference's own gate pattern (the kernel's fp32 gate can
-      // differ only where the gate is within rounding of 0, which moves the results negligibly).
-      const TwellMatrix gate = ref::gate_to_twell(w.x.data(), 200, w.weights, 128, 4);
-      const Reference ref = reference_for(w, hybrid_from_twell(gate, 1), dy, 0.01);
-      const std::vector<float> y_host = cuda::download_bf16(y.get(), w.x.size());
-      const std::vector<float> dx = cuda::download_bf16(grads.dx.get(), w.x.size());
-      expect_matches(ref, y_host, dx, download_floats(grads.d_gate.get(), 1024 * 256),
-                     download_floats(grads.d_up.get(), 1024 * 256), download_floats(grads.d_down.get(), 1024 * 256),
-                     stats, kDenseTolerance);
+      EXPECT_EQ(stats.path, dense_expected ? cuda::TrainPath::dense : cuda::TrainPath::sparse);
     }
   }
 }
@@ -385,15 +404,7 @@ TEST(TrialBook, RunsEachCandidateThenKeepsTheLeastMedian) {
 // steps, every step exact whatever it took; then the op settles on one and stays there.
 TEST(CudaTrainOp, TimedDispatchTriesEveryCandidateThenSettles) {
   if (!cuda::available()) GTEST_SKIP() << "no CUDA device";
-  const int64_t m = 200;
-  const int32_t d = 256, h = 1024;
-  const Workload w = make_workload({.rows = m, .d_model = d, .d_hidden = h, .density = 0.02, .seed = 7});
-  const std::vector<float> dy = random_bf16_values(w.x.size(), 9);
-  const cuda::DeviceFfnWeights weights = cuda::upload_weights(w.weights);
-  const cuda::DeviceArray<bf16> x = cuda::upload_bf16(w.x.data(), w.x.size());
-  const cuda::DeviceArray<bf16> dy_device = cuda::upload_bf16(dy.data(), dy.size());
-  const TwellMatrix gate = ref::gate_to_twell(w.x.data(), m, w.weights, 128, 4);
-  const Reference ref = reference_for(w, hybrid_from_twell(gate, 1), dy, 0.01);
+  const OpProblem problem(0.02, 7, 9);
   cuda::FfnTrainOp op({.l1_coeff = 0.01});
   ASSERT_EQ(cuda::FfnTrainOptions{}.hot_fractions.size(), 4u);
   std::set<std::pair<cuda::TrainPath, int32_t>> seen;
@@ -401,16 +412,9 @@ TEST(CudaTrainOp, TimedDispatchTriesEveryCandidateThenSettles) {
   int settled_step = 0, step = 0;
   for (; step < 40; ++step) {
     SCOPED_TRACE(testing::Message() << "step " << step);
-    cuda::DeviceArray<bf16> y = poisoned_bf16(w.x.size());
-    DeviceGrads grads(m, d, h);
-    op.forward(x.get(), m, weights, y.get(), nullptr);
-    op.backward(dy_device.get(), grads.view(), nullptr);
-    const cuda::FfnTrainStats stats = op.stats(nullptr);
+    const cuda::FfnTrainStats stats = problem.step(op, kDenseTolerance);
     const std::pair<cuda::TrainPath, int32_t> taken{stats.path, stats.hot_neurons};
     seen.insert(taken);
-    expect_matches(ref, cuda::download_bf16(y.get(), w.x.size()), cuda::download_bf16(grads.dx.get(), w.x.size()),
-                   download_floats(grads.d_gate.get(), int64_t{h} * d), download_floats(grads.d_up.get(), int64_t{h} * d),
-                   download_floats(grads.d_down.get(), int64_t{h} * d), stats, kDenseTolerance);
     if (settled_on) EXPECT_EQ(taken, *settled_on);
     if (!settled_on && op.dispatch_settled()) {
       settled_on = taken;
@@ -426,12 +430,8 @@ TEST(CudaTrainOp, TimedDispatchTriesEveryCandidateThenSettles) {
   EXPECT_EQ(seen, candidates);
   // It holds what its choice needs, not what the candidates it tried left behind.
   cuda::FfnTrainOp fixed({.l1_coeff = 0.01, .path = settled_on->first,
-                          .hot_fraction = settled_on->second / static_cast<double>(h)});
-  cuda::DeviceArray<bf16> y = poisoned_bf16(w.x.size());
-  DeviceGrads grads(m, d, h);
-  fixed.forward(x.get(), m, weights, y.get(), nullptr);
-  fixed.backward(dy_device.get(), grads.view(), nullptr);
-  ASSERT_EQ(fixed.stats(nullptr).hot_neurons, settled_on->second);
+                          .hot_fraction = settled_on->second / static_cast<double>(OpProblem::h)});
+  ASSERT_EQ(problem.step(fixed, kDenseTolerance).hot_neurons, settled_on->second);
   EXPECT_LE(op.held_bytes(), fixed.held_bytes() * 11 / 10);
 }
 
@@ -439,37 +439,16 @@ TEST(CudaTrainOp, TimedDispatchTriesEveryCandidateThenSettles) {
 // every neuron, so nothing of the split (its hot part, its gradient-row offset) may carry over.
 TEST(CudaTrainOp, GivenGateAfterASplitStep) {
   if (!cuda::available()) GTEST_SKIP() << "no CUDA device";
-  const int64_t m = 200;
-  const int32_t d = 256, h = 1024;
-  const Workload w = make_workload({.rows = m, .d_model = d, .d_hidden = h, .density = 0.005, .seed = 11});
-  const std::vector<float> dy = random_bf16_values(w.x.size(), 13);
-  const cuda::DeviceFfnWeights weights = cuda::upload_weights(w.weights);
-  const cuda::DeviceArray<bf16> x = cuda::upload_bf16(w.x.data(), w.x.size());
-  const cuda::DeviceArray<bf16> dy_device = cuda::upload_bf16(dy.data(), dy.size());
-  const TwellMatrix gate = ref::gate_to_twell(w.x.data(), m, w.weights, 128, 4);
+  const OpProblem problem(0.005, 11, 13);
   cuda::DeviceTwell packed;
-  cuda::upload(gate, packed);
+  cuda::upload(problem.gate, packed);
   cuda::FfnTrainOp op({.l1_coeff = 0.01});
   int32_t hot = 0;
-  for (int step = 0; step < 30 && hot == 0; ++step) {
-    cuda::DeviceArray<bf16> y = poisoned_bf16(w.x.size());
-    DeviceGrads grads(m, d, h);
-    op.forward(x.get(), m, weights, y.get(), nullptr);
-    op.backward(dy_device.get(), grads.view(), nullptr);
-    hot = op.stats(nullptr).hot_neurons;
-  }
+  for (int step = 0; step < 30 && hot == 0; ++step) hot = problem.step(op, kDenseTolerance).hot_neurons;
   ASSERT_GT(hot, 0) << "the timed dispatch never tried a split";
-  cuda::DeviceArray<bf16> y = poisoned_bf16(w.x.size());
-  DeviceGrads grads(m, d, h);
-  op.forward(x.get(), m, weights, packed, y.get(), nullptr);
-  op.backward(dy_device.get(), grads.view(), nullptr);
-  const cuda::FfnTrainStats stats = op.stats(nullptr);
-  ASSERT_EQ(stats.path, cuda::TrainPath::sparse);
+  const cuda::FfnTrainStats stats = problem.step(op, kTolerance, &packed);
+  EXPECT_EQ(stats.path, cuda::TrainPath::sparse);
   EXPECT_EQ(stats.hot_neurons, 0);
-  const Reference ref = reference_for(w, hybrid_from_twell(gate, 1), dy, 0.01);
-  expect_matches(ref, cuda::download_bf16(y.get(), w.x.size()), cuda::download_bf16(grads.dx.get(), w.x.size()),
-                 download_floats(grads.d_gate.get(), int64_t{h} * d), download_floats(grads.d_up.get(), int64_t{h} * d),
-                 download_floats(grads.d_down.get(), int64_t{h} * d), stats, kTolerance);
 }
 
 TEST(CudaTrainOp, RefusesBadInput) {
