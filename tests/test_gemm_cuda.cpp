@@ -1,11 +1,14 @@
-// RowMajorGemm (src/cuda/gemm.h) at a size it tunes (>= 8 GFLOP: cuBLASLt's algorithms timed on the
-// first call): the timing runs must leave the caller's C alone (beta = 1 adds to it exactly once),
-// and a second instance, which takes the tuned choice from the first, computes the same product.
-// Skipped without a GPU.
+// RowMajorGemm (src/cuda/gemm.h) at sizes it tunes (>= 8 GFLOP: cuBLASLt's algorithms timed on the
+// first call): with beta = 1 the timing runs must leave the caller's C alone (it is added to
+// exactly once), a second instance, which takes the tuned choice from the first, computes the same
+// product, and with beta = 0 (timed in the caller's C) a poisoned C is overwritten. Skipped without
+// a GPU.
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "cuda/gemm.h"
@@ -22,6 +25,24 @@ std::vector<float> random_values(size_t count, uint64_t seed, bool bf16_exact) {
   std::vector<float> values(count);
   for (float& v : values) v = bf16_exact ? round_to_bf16(normal(engine)) : normal(engine);
   return values;
+}
+
+// got [m, n] against c0 (when given) + a [m, k] · b^T (b stored [n, k]) in float64, on 17 rows
+// spread over m; fp32 accumulation of exact bf16 products stays near 1e-6.
+testing::AssertionResult matches_on_sampled_rows(const std::string& what, const std::vector<float>& got,
+                                                 const std::vector<float>& a, const std::vector<float>& b,
+                                                 const std::vector<float>* c0, int64_t m, int64_t n, int64_t k) {
+  std::vector<float> rows;
+  std::vector<double> expected;
+  for (int64_t r = 0; r < m; r += m / 16) {
+    for (int64_t j = 0; j < n; ++j) {
+      double sum = c0 ? (*c0)[r * n + j] : 0.0;
+      for (int64_t i = 0; i < k; ++i) sum += static_cast<double>(a[r * k + i]) * b[j * k + i];
+      expected.push_back(sum);
+      rows.push_back(got[r * n + j]);
+    }
+  }
+  return test::near_relative_l2(what, rows.data(), expected.data(), expected.size(), 1e-5);
 }
 
 class TunedGemm : public test::CudaTest<> {};
@@ -48,21 +69,19 @@ TEST_F(TunedGemm, AddsToCOnceAndAgreesAcrossInstances) {
   TWELL_CUDA_CHECK(
       cudaMemcpy(got_second.data(), c_second.get(), got_second.size() * sizeof(float), cudaMemcpyDeviceToHost));
 
-  // float64 reference on 17 rows spread over m; fp32 accumulation of exact bf16 products: ~1e-6.
-  std::vector<float> rows, rows_second;
-  std::vector<double> expected;
-  for (int64_t r = 0; r < m; r += m / 16) {
-    for (int64_t j = 0; j < n; ++j) {
-      double sum = c0[r * n + j];
-      for (int64_t i = 0; i < k; ++i) sum += static_cast<double>(a[r * k + i]) * b[j * k + i];
-      expected.push_back(sum);
-      rows.push_back(got[r * n + j]);
-      rows_second.push_back(got_second[r * n + j]);
-    }
-  }
-  EXPECT_TRUE(test::near_relative_l2("C (first instance)", rows.data(), expected.data(), expected.size(), 1e-5));
-  EXPECT_TRUE(
-      test::near_relative_l2("C (second instance)", rows_second.data(), expected.data(), expected.size(), 1e-5));
+  EXPECT_TRUE(matches_on_sampled_rows("C (first instance)", got, a, b, &c0, m, n, k));
+  EXPECT_TRUE(matches_on_sampled_rows("C (second instance)", got_second, a, b, &c0, m, n, k));
+
+  // beta = 0 at a shape not timed yet (m - 1 rows), into NaN: the product alone.
+  const int64_t m0 = m - 1;
+  const std::vector<float> nan(m0 * n, std::numeric_limits<float>::quiet_NaN());
+  TWELL_CUDA_CHECK(cudaMemcpy(c.get(), nan.data(), nan.size() * sizeof(float), cudaMemcpyHostToDevice));
+  first.run(m0, n, k, {a_device.get(), k, false}, {b_device.get(), k, true}, c.get(), n, cuda::GemmOutput::f32, 0.0f,
+            nullptr);
+  std::vector<float> got_plain(m0 * n);
+  TWELL_CUDA_CHECK(
+      cudaMemcpy(got_plain.data(), c.get(), got_plain.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  EXPECT_TRUE(matches_on_sampled_rows("C (beta 0)", got_plain, a, b, nullptr, m0, n, k));
 }
 
 }  // namespace

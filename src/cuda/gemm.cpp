@@ -42,6 +42,20 @@ constexpr double kTunedFlops = 8e9;
 constexpr int kCandidates = 8;
 constexpr int kTimedRuns = 5;
 
+// The events around the timed runs of one candidate, released however the timing ends.
+struct TimingMarks {
+  cudaEvent_t events[kTimedRuns + 1] = {};
+  TimingMarks() {
+    for (cudaEvent_t& event : events) TWELL_CUDA_CHECK(cudaEventCreate(&event));
+  }
+  ~TimingMarks() {
+    for (cudaEvent_t event : events)
+      if (event) cudaEventDestroy(event);
+  }
+  TimingMarks(const TimingMarks&) = delete;
+  TimingMarks& operator=(const TimingMarks&) = delete;
+};
+
 void set_batch(cublasLtMatrixLayout_t layout, int32_t count, int64_t stride) {
   if (count == 1) return;
   TWELL_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof count));
@@ -102,10 +116,10 @@ void RowMajorGemm::run(int64_t m, int64_t n, int64_t k, GemmOperand a, GemmOpera
     TWELL_CUBLAS_CHECK(status);
     TWELL_REQUIRE(found_count > 0, "cuBLASLt has no algorithm for a {}x{}x{} bf16 GEMM (batch {})", m, n, k,
                   batch.count);
-    const int64_t c_elements = int64_t{batch.count - 1} * batch.stride_c + (m - 1) * ldc + n;
-    const size_t c_bytes = static_cast<size_t>(c_elements) * (c_type == GemmOutput::bf16 ? 2 : 4);
     plan->algo = results[0].algo;
     if (found_count > 1) {
+      const int64_t c_elements = int64_t{batch.count - 1} * batch.stride_c + (m - 1) * ldc + n;
+      const size_t c_bytes = static_cast<size_t>(c_elements) * (c_type == GemmOutput::bf16 ? 2 : 4);
       // Shared by every instance of the process: two instances timing the same GEMM would otherwise
       // keep different algorithms by the timing's noise, and the dense baseline and a dispatch's
       // dense path (instances of their own) must run the same GEMMs.
@@ -117,7 +131,7 @@ void RowMajorGemm::run(int64_t m, int64_t n, int64_t k, GemmOperand a, GemmOpera
       const std::lock_guard<std::mutex> lock(tuned_mutex);
       if (const auto known = tuned.find(tuned_key); known != tuned.end()) {
         plan->algo = known->second;
-      } else if (const auto timed = fastest(*plan, results, found_count, a.data, b.data, beta, c_bytes, stream)) {
+      } else if (const auto timed = fastest(*plan, results, found_count, a.data, b.data, c, beta, c_bytes, stream)) {
         plan->algo = *timed;
         tuned.emplace(tuned_key, *timed);
       }
@@ -132,27 +146,36 @@ void RowMajorGemm::run(int64_t m, int64_t n, int64_t k, GemmOperand a, GemmOpera
 
 std::optional<cublasLtMatmulAlgo_t> RowMajorGemm::fastest(const Plan& plan,
                                                           const cublasLtMatmulHeuristicResult_t* results, int count,
-                                                          const void* a, const void* b, float beta, size_t c_bytes,
-                                                          cudaStream_t stream) {
+                                                          const void* a, const void* b, void* c, float beta,
+                                                          size_t c_bytes, cudaStream_t stream) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   TWELL_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
   if (capture != cudaStreamCaptureStatusNone) return std::nullopt;  // no timing inside a graph
+  // Where beta adds to C the timing runs go to a scratch C of the same layout, so the caller's C is
+  // added to once; without one (no memory to spare) the heuristic's choice stands. With beta = 0 the
+  // caller's C is the scratch: the real call overwrites it next.
+  DeviceBuffer<uint8_t> scratch;
+  if (beta != 0.0f) {
+    try {
+      scratch.resize(c_bytes);
+    } catch (const Error&) {
+      return std::nullopt;
+    }
+    TWELL_CUDA_CHECK(cudaMemsetAsync(scratch.data(), 0, scratch.bytes(), stream));
+    c = scratch.data();
+  }
   // Alone on the device: work of other streams (a training split runs its two parts side by side)
   // would share the SMs with the timed runs and could make a slower algorithm look faster.
   TWELL_CUDA_CHECK(cudaDeviceSynchronize());
-  // Timed into a scratch C, so the caller's C (which beta may add to) is untouched.
-  DeviceBuffer<uint8_t> scratch;
-  scratch.resize(c_bytes);
-  TWELL_CUDA_CHECK(cudaMemsetAsync(scratch.data(), 0, c_bytes, stream));
-  cudaEvent_t marks[kTimedRuns + 1];
-  for (cudaEvent_t& mark : marks) TWELL_CUDA_CHECK(cudaEventCreate(&mark));
+  const TimingMarks timing;
+  const cudaEvent_t* marks = timing.events;
   const float alpha = 1.0f;
   int best = 0;
   float best_ms = -1;
   for (int i = 0; i < count; ++i) {
     const auto launch = [&] {
-      return cublasLtMatmul(handle_, plan.op, &alpha, b, plan.a, a, plan.b, &beta, scratch.data(), plan.c,
-                            scratch.data(), plan.c, &results[i].algo, workspace_.data(), workspace_.bytes(), stream);
+      return cublasLtMatmul(handle_, plan.op, &alpha, b, plan.a, a, plan.b, &beta, c, plan.c, c, plan.c,
+                            &results[i].algo, workspace_.data(), workspace_.bytes(), stream);
     };
     if (launch() != CUBLAS_STATUS_SUCCESS) continue;  // an algorithm these pointers do not suit
     TWELL_CUDA_CHECK(cudaEventRecord(marks[0], stream));
@@ -171,7 +194,6 @@ std::optional<cublasLtMatmulAlgo_t> RowMajorGemm::fastest(const Plan& plan,
       best = i;
     }
   }
-  for (cudaEvent_t mark : marks) cudaEventDestroy(mark);
   return results[best].algo;
 }
 

@@ -55,10 +55,11 @@ class RowMajorGemm {
   struct Plan;
   using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, bool, GemmOutput, bool,
                          GemmEpilogue, int32_t, int64_t, int64_t, int64_t>;
-  // The fastest of `results` for `plan` on these operands; none while `stream` is being captured.
+  // The fastest of `results` for `plan` on these operands; none while `stream` is being captured or
+  // where beta != 0 and no scratch C fits in memory.
   std::optional<cublasLtMatmulAlgo_t> fastest(const Plan& plan, const cublasLtMatmulHeuristicResult_t* results,
-                                              int count, const void* a, const void* b, float beta, size_t c_bytes,
-                                              cudaStream_t stream);
+                                              int count, const void* a, const void* b, void* c, float beta,
+                                              size_t c_bytes, cudaStream_t stream);
   cublasLtHandle_t handle_ = nullptr;
   DeviceBuffer<uint8_t> workspace_;
   std::map<Key, std::unique_ptr<Plan>> plans_;
