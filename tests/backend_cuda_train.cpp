@@ -272,7 +272,8 @@ TEST_P(CudaTrainTest, DensePathMatchesReference) {
                  r.d_down, r.stats, kDenseTolerance);
 }
 
-// The split step: the first 40% of the neurons (rounded to 64) dense, the rest sparse, both adding
+// The split step: the first 40% of the neurons (rounded to whole TwELL tiles of 128; at H = 128 that
+// is none, and the step runs sparse) dense, the rest sparse, both adding
 // into y and dx; each weight-gradient row written by its own part. The dense part beside the sparse
 // one on the side stream, and both on one stream.
 TEST_P(CudaTrainTest, SplitPathMatchesReference) {
@@ -288,7 +289,7 @@ TEST_P(CudaTrainTest, SplitPathMatchesReference) {
                          .hot_fraction = 0.4, .split_side_stream = side_stream});
     const StepResult r = step(op, w, dy, nullptr);
     ASSERT_EQ(r.stats.path, cuda::TrainPath::sparse);
-    EXPECT_EQ(r.stats.hot_neurons, static_cast<int32_t>(std::lround(0.4 * c.d_hidden / 64.0)) * 64);
+    EXPECT_EQ(r.stats.hot_neurons, cuda::split_hot_neurons(0.4, c.d_hidden, 128));
     expect_matches(expected, r.y, r.dx, r.d_gate, r.d_up, r.d_down, r.stats, kDenseTolerance);
   }
 }
@@ -400,6 +401,15 @@ TEST(TrialBook, RunsEachCandidateThenKeepsTheLeastMedian) {
   EXPECT_THROW(cuda::TrialBook(0), Error);
 }
 
+// Split candidates (both ops): whole tiles, never all or none of the neurons.
+TEST(SplitHotNeurons, WholeTilesAndNeuronsOnBothSides) {
+  EXPECT_EQ(cuda::split_hot_neurons(0.125, 5632, 128), 768);  // 5.5 tiles: rounded up
+  EXPECT_EQ(cuda::split_hot_neurons(0.45, 5632, 128), 2560);
+  EXPECT_EQ(cuda::split_hot_neurons(0.25, 1000, 256), 256);
+  EXPECT_EQ(cuda::split_hot_neurons(0.4, 128, 128), 0);   // rounds to no neuron
+  EXPECT_EQ(cuda::split_hot_neurons(0.99, 1024, 128), 0);  // rounds to every neuron
+}
+
 // The timed dispatch (default options): each candidate (dense, sparse, the four splits) runs its
 // steps, every step exact whatever it took; then the op settles on one and stays there.
 TEST(CudaTrainOp, TimedDispatchTriesEveryCandidateThenSettles) {
@@ -423,10 +433,10 @@ TEST(CudaTrainOp, TimedDispatchTriesEveryCandidateThenSettles) {
     if (settled_on && step >= settled_step + 3) break;
   }
   ASSERT_TRUE(settled_on.has_value()) << "no choice after " << step << " steps";
-  // round(f·1024 / 64)·64 for f = 0.125, 0.25, 0.35, 0.45
+  // round(f·1024 / 128)·128 (whole TwELL tiles) for f = 0.125, 0.25, 0.35, 0.45
   const std::set<std::pair<cuda::TrainPath, int32_t>> candidates = {
       {cuda::TrainPath::dense, 0},   {cuda::TrainPath::sparse, 0},   {cuda::TrainPath::sparse, 128},
-      {cuda::TrainPath::sparse, 256}, {cuda::TrainPath::sparse, 384}, {cuda::TrainPath::sparse, 448}};
+      {cuda::TrainPath::sparse, 256}, {cuda::TrainPath::sparse, 384}, {cuda::TrainPath::sparse, 512}};
   EXPECT_EQ(seen, candidates);
   // It holds what its choice needs, not what the candidates it tried left behind.
   cuda::FfnTrainOp fixed({.l1_coeff = 0.01, .path = settled_on->first,

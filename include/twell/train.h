@@ -92,7 +92,8 @@ struct FfnTrainOptions {
   // step's time (fixed part + a part proportional to the non-zeros) crosses the dense step's,
   // 1.07% on an H200 at D = 2048, H = 5632, M = 16384 (docs/perf-notes.md, "Training FFN").
   double dense_above_density = 0.01;
-  // Split steps (sparse path): the first round(hot_fraction·H / 64)·64 neurons run through the dense
+  // Split steps (sparse path): the first round(hot_fraction·H / tile)·tile neurons (whole TwELL
+  // tiles; none where that rounds to 0 or H) run through the dense
   // cuBLASLt step, the others through the sparse one, both adding into y and dx. It pays where the
   // weights have their most often active neurons first (sort_neurons_by_activity, host_tensors.h):
   // those make most of the sparse path's non-zeros at a fraction of the dense FLOPs. 0: no split.

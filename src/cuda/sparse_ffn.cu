@@ -72,8 +72,7 @@ void SparseFfn::read_counters() {
 
 int32_t SparseFfn::hot_neurons(int path, int32_t hidden) const {
   if (path < kFirstSplitPath) return 0;
-  const double tiles = options_.hot_fractions[static_cast<size_t>(path - kFirstSplitPath)] * hidden / options_.tile;
-  return static_cast<int32_t>(std::lround(tiles)) * options_.tile;
+  return split_hot_neurons(options_.hot_fractions[static_cast<size_t>(path - kFirstSplitPath)], hidden, options_.tile);
 }
 
 bool SparseFfn::path_available(int path, int32_t hidden) const {

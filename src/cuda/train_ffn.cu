@@ -170,11 +170,8 @@ struct FfnTrainOp::State {
     return measured_density >= 0 ? measured_density : options.expected_density;
   }
 
-  // The split's hot neurons for a gate of `d_hidden`: that fraction of them in multiples of 64
-  // (whole cuBLASLt tiles), 0 where that leaves no neuron on either side.
-  static int32_t split_neurons(int32_t d_hidden, double fraction) {
-    const int32_t hot = static_cast<int32_t>(std::lround(fraction * d_hidden / 64.0)) * 64;
-    return hot < d_hidden ? hot : 0;
+  int32_t split_neurons(int32_t d_hidden, double fraction) const {
+    return split_hot_neurons(fraction, d_hidden, options.tile);
   }
 
   int64_t bytes() const {
@@ -432,7 +429,7 @@ void FfnTrainOp::State::sparse_or_split_forward(const bf16* x_in, int64_t m, con
     const FfnTrainOptions dense_options{.l1_coeff = options.l1_coeff, .path = TrainPath::dense};
     hot = side ? std::make_unique<State>(dense_options, nullptr, RowMajorGemm::kDefaultWorkspaceBytes)
                : std::make_unique<State>(dense_options, &gemm);
-    hot->merge_gate_up = true;  // hot counts are whole multiples of 64
+    hot->merge_gate_up = true;  // hot counts are whole TwELL tiles (128 or 256 neurons)
   }
   const cudaStream_t hot_on = hot_stream(stream);
   if (side) side->wait_for(stream);  // x
@@ -516,7 +513,7 @@ void FfnTrainOp::forward(const bf16* x, int64_t rows, const DeviceFfnView& weigh
   TWELL_REQUIRE(rows >= 1, "rows must be positive, got {}", rows);
   State& s = *state_;
   const auto [path, hot_fraction] = s.choose_step(rows, w.d_hidden);
-  const int32_t hot_count = path == TrainPath::dense ? 0 : State::split_neurons(w.d_hidden, hot_fraction);
+  const int32_t hot_count = path == TrainPath::dense ? 0 : s.split_neurons(w.d_hidden, hot_fraction);
   if (s.timed && (path != s.path || hot_count != s.hot_neurons)) {
     // The timed dispatch switched candidates: buffers only grow, so what the last one sized goes.
     s.sparse = SparseBuffers{};
