@@ -109,7 +109,7 @@ void RowMajorGemm::run(int64_t m, int64_t n, int64_t k, GemmOperand a, GemmOpera
     cublasLtMatmulHeuristicResult_t results[kCandidates]{};
     int found_count = 0;
     const double flops = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k) * batch.count;
-    const int wanted = flops >= kTunedFlops ? kCandidates : 1;
+    const int wanted = tuning_ && flops >= kTunedFlops ? kCandidates : 1;
     const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
         handle_, plan->op, plan->a, plan->b, plan->c, plan->c, preference, wanted, results, &found_count);
     cublasLtMatmulPreferenceDestroy(preference);

@@ -51,6 +51,21 @@ class RowMajorGemm {
 
   int64_t workspace_bytes() const { return static_cast<int64_t>(workspace_.bytes()); }
 
+  // While one lives, the instance plans new shapes with the heuristic's first choice, untimed: for
+  // shapes that change from call to call (a training step's count of backup rows), where timing
+  // each new one would cost more than it saves.
+  class HeuristicOnly {
+   public:
+    explicit HeuristicOnly(RowMajorGemm& gemm) : gemm_(gemm), was_tuning_(gemm.tuning_) { gemm.tuning_ = false; }
+    ~HeuristicOnly() { gemm_.tuning_ = was_tuning_; }
+    HeuristicOnly(const HeuristicOnly&) = delete;
+    HeuristicOnly& operator=(const HeuristicOnly&) = delete;
+
+   private:
+    RowMajorGemm& gemm_;
+    bool was_tuning_;
+  };
+
  private:
   struct Plan;
   using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, bool, GemmOutput, bool,
@@ -60,6 +75,7 @@ class RowMajorGemm {
   std::optional<cublasLtMatmulAlgo_t> fastest(const Plan& plan, const cublasLtMatmulHeuristicResult_t* results,
                                               int count, const void* a, const void* b, void* c, float beta,
                                               size_t c_bytes, cudaStream_t stream);
+  bool tuning_ = true;
   cublasLtHandle_t handle_ = nullptr;
   DeviceBuffer<uint8_t> workspace_;
   std::map<Key, std::unique_ptr<Plan>> plans_;

@@ -274,6 +274,7 @@ void FfnTrainOp::State::sparse_forward(const bf16* x_in, int64_t m, const Device
   l1_row.resize(m);
   sampled_up_projection(view, x_in, w.up, d, s.u_ell.data(), s.h_ell.data(), l1_row.data(), stream);
   if (b > 0) {
+    const RowMajorGemm::HeuristicOnly varying_rows(gemm);  // b changes from step to step
     s.x_backup.resize(int64_t{b} * d);
     s.u_backup.resize(int64_t{b} * h);
     s.h_backup.resize(int64_t{b} * h);
@@ -285,6 +286,7 @@ void FfnTrainOp::State::sparse_forward(const bf16* x_in, int64_t m, const Device
   }
   ell_rows_times_weights(view, s.h_ell.data(), w.down, nullptr, nullptr, d, y, stream);
   if (b > 0) {
+    const RowMajorGemm::HeuristicOnly varying_rows(gemm);
     s.y_backup.resize(int64_t{b} * d);
     gemm.run(b, d, h, {s.h_backup.data(), h, false}, {w.down, d, false}, s.y_backup.data(), d, GemmOutput::bf16, 0.0f,
              stream);
@@ -311,6 +313,7 @@ void FfnTrainOp::State::sparse_backward(const bf16* dy, const DeviceFfnGrads& gr
   if (b == 0) return;
 
   // Backup rows: the same products as dense GEMMs; the weight gradients accumulate (beta = 1).
+  const RowMajorGemm::HeuristicOnly varying_rows(gemm);  // b changes from step to step
   s.dy_backup.resize(int64_t{b} * d);
   s.dh_backup.resize(int64_t{b} * h);
   s.dg_backup.resize(int64_t{b} * h);
