@@ -3,6 +3,7 @@
 # bins.tar.xz of twell and twell_tests in a carried folder. Runs B's GPU tests (TESTS), then the
 # benchmarks for A, B, A, B, so that each pair shares the machine's state (clocks and temperature
 # drift between calls by more than most changes gain); every run times dense beside itself.
+# TESTS: the gtest filter (empty: no tests); TESTS_ON: which builds run them (default b).
 #   scripts/device_ab.sh .carry/a .carry/b      (carry [".carry/a", ".carry/b"])
 # TRAIN_ARGS: `twell bench ffn-train` arguments (empty: skipped); FFN_ARGS: `twell bench ffn` ones.
 set -o pipefail
@@ -15,8 +16,11 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw,d
 status=0
 tests=${TESTS-"*/cuda*:CudaFfn.*:CudaFfnFromTwell.*:*CudaTrain*:*cuda_train*:TunedGemm.*"}
 if [[ -n $tests ]]; then
-  /tmp/ab_b/twell_tests --gtest_brief=1 --gtest_filter="$tests" > "$out/tests.log" 2>&1 || status=1
-  tail -n 8 "$out/tests.log" | tee -a "$log"
+  for side in ${TESTS_ON:-b}; do  # TESTS_ON="a b" where the baseline is not verified on a GPU either
+    echo "== tests $side" | tee -a "$log"
+    /tmp/ab_$side/twell_tests --gtest_brief=1 --gtest_filter="$tests" > "$out/tests_$side.log" 2>&1 || status=1
+    tail -n 8 "$out/tests_$side.log" | tee -a "$log"
+  done
 fi
 train_args=${TRAIN_ARGS-"--m 16384 --density 0.005,0.02 --impl dense,split,auto --hot-fraction 0.125,0.45"}
 for round in 1 2; do
