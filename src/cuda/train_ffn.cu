@@ -184,10 +184,12 @@ struct FfnTrainOp::State {
     return density_estimate() > options.dense_above_density ? TrainPath::dense : TrainPath::sparse;
   }
 
+  bool timed_dispatch() const { return options.path == TrainPath::automatic && !options.hot_fractions.empty(); }
+
   // The path and split fraction (0: none) of a step from x, by the timed dispatch or the rules above.
   std::pair<TrainPath, double> choose_step(int64_t m, int32_t d_hidden) {
     const std::vector<double>& fractions = options.hot_fractions;
-    if (options.path != TrainPath::automatic || fractions.empty()) return {resolve_path(), options.hot_fraction};
+    if (!timed_dispatch()) return {resolve_path(), options.hot_fraction};
     const int candidates = 2 + static_cast<int>(fractions.size());
     if (!timed) timed = std::make_unique<TimedChoice>(candidates, /*spans_per_call=*/2);
     timed_bucket = call_bucket(m, density_estimate() * d_hidden);
@@ -220,6 +222,17 @@ struct FfnTrainOp::State {
     TWELL_CUDA_CHECK(cudaMemcpyAsync(stats_host, stats.data(), 2 * sizeof(double), cudaMemcpyDeviceToHost, stream));
     TWELL_CUDA_CHECK(cudaEventRecord(stats_ready, stream));
     stats_pending = true;
+  }
+
+  // A step without a split: the hot part of an earlier one goes.
+  void drop_split() {
+    hot_neurons = 0;
+    hot.reset();
+  }
+  // A forward from a given gate (it covers every neuron): no timed call, no split.
+  void begin_given_gate_step() {
+    if (timed) timed->abandon();
+    drop_split();
   }
 
   void remember(TrainPath p, const bf16* x_in, int64_t m, const DeviceFfnView& w, const DeviceHybrid* g,
@@ -417,13 +430,13 @@ void FfnTrainOp::State::dense_backward_input(bf16* dx, cudaStream_t stream, bool
 
 void FfnTrainOp::State::sparse_or_split_forward(const bf16* x_in, int64_t m, const DeviceFfnView& w,
                                                 int32_t hot_count, bf16* y, cudaStream_t stream) {
-  hot_neurons = hot_count;
   if (hot_count == 0) {
-    hot.reset();
+    drop_split();
     gate_to_twell(x_in, m, w, options.tile, options.compression, sparse.own_twell, stream);
     sparse_forward_from_twell(x_in, m, w, sparse.own_twell, &w, y, stream);
     return;
   }
+  hot_neurons = hot_count;
   // Kept across steps once made: a dense step frees the hot state's activations, not the stream.
   if (options.split_side_stream && !side) side = std::make_unique<SideStream>();
   if (!hot) {
@@ -526,8 +539,7 @@ void FfnTrainOp::forward(const bf16* x, int64_t rows, const DeviceFfnView& weigh
   s.step_hidden = w.d_hidden;
   if (s.timed) s.timed->begin_span(stream);
   if (path == TrainPath::dense) {
-    s.hot_neurons = 0;
-    s.hot.reset();
+    s.drop_split();
     s.dense_forward(x, rows, w, y, stream);
   } else {
     s.sparse_or_split_forward(x, rows, w, hot_count, y, stream);
@@ -542,9 +554,7 @@ void FfnTrainOp::forward(const bf16* x, int64_t rows, const DeviceFfnView& weigh
   State& s = *state_;
   TWELL_REQUIRE(s.options.hot_fraction == 0, "a given gate packing covers every neuron: no split (hot_fraction {})",
                 s.options.hot_fraction);
-  if (s.timed) s.timed->abandon();
-  s.hot_neurons = 0;  // a given gate covers every neuron (an earlier automatic step may have split)
-  s.hot.reset();
+  s.begin_given_gate_step();
   const TrainPath path = s.resolve_path();
   s.step_hidden = w.d_hidden;
   if (path == TrainPath::dense) {
@@ -563,9 +573,7 @@ void FfnTrainOp::forward(const bf16* x, int64_t rows, const DeviceFfnView& weigh
   State& s = *state_;
   TWELL_REQUIRE(s.options.hot_fraction == 0, "a given gate covers every neuron: no split (hot_fraction {})",
                 s.options.hot_fraction);
-  if (s.timed) s.timed->abandon();
-  s.hot_neurons = 0;  // a given gate covers every neuron (an earlier automatic step may have split)
-  s.hot.reset();
+  s.begin_given_gate_step();
   s.step_hidden = w.d_hidden;
   const HybridCounters counters = s.read_counters(gate, stream);
   TWELL_REQUIRE(counters.gate_incomplete == 0, "hybrid gate was converted from an incomplete TwELL packing");
@@ -614,8 +622,7 @@ int64_t FfnTrainOp::held_bytes() const { return state_->bytes(); }
 
 bool FfnTrainOp::dispatch_settled() const {
   const State& s = *state_;
-  if (s.options.path != TrainPath::automatic || s.options.hot_fractions.empty()) return true;
-  return s.timed && s.timed->settled(s.timed_bucket);
+  return !s.timed_dispatch() || (s.timed && s.timed->settled(s.timed_bucket));
 }
 
 }  // namespace twell::cuda
