@@ -101,6 +101,7 @@ struct FfnTrainOp::State {
 
   // Read back without waiting: the next step's dispatch uses them once they have arrived.
   HybridCounters* counters_host = nullptr;  // pinned
+  cudaEvent_t counters_ready = nullptr;
   double* stats_host = nullptr;             // pinned [2]
   cudaEvent_t stats_ready = nullptr;
   bool stats_pending = false;
@@ -113,7 +114,7 @@ struct FfnTrainOp::State {
   int64_t rows = 0;
   DeviceFfnView weights;
   const DeviceHybrid* gate = nullptr;
-  int32_t backup_rows = 0;
+  HybridCounters gate_counters{};
 
   // Split steps: the hot neurons' dense step (a state of path dense), which adds into y and dx once
   // the sparse step over the other neurons has written them. On the side stream it has GEMMs (a
@@ -139,12 +140,14 @@ struct FfnTrainOp::State {
     TWELL_CUDA_CHECK(cudaMallocHost(&counters_host, sizeof(HybridCounters)));
     TWELL_CUDA_CHECK(cudaMallocHost(&stats_host, 2 * sizeof(double)));
     TWELL_CUDA_CHECK(cudaEventCreateWithFlags(&stats_ready, cudaEventDisableTiming));
+    TWELL_CUDA_CHECK(cudaEventCreateWithFlags(&counters_ready, cudaEventDisableTiming));
     stats.resize(kStepStatsDoubles);
     stats_ticket.resize(1);
     TWELL_CUDA_CHECK(cudaMemset(stats_ticket.data(), 0, sizeof(uint32_t)));
   }
   ~State() {
     if (stats_ready) cudaEventDestroy(stats_ready);
+    if (counters_ready) cudaEventDestroy(counters_ready);
     if (stats_host) cudaFreeHost(stats_host);
     if (counters_host) cudaFreeHost(counters_host);
   }
@@ -209,10 +212,15 @@ struct FfnTrainOp::State {
     return std::clamp(round_up(static_cast<int64_t>(std::ceil(1.5 * expected)) + 16, 8), 1, d_hidden);
   }
 
-  HybridCounters read_counters(const DeviceHybrid& gate, cudaStream_t stream) {
+  // The gate's counters come back while the work queued after queue_counters runs: the host waits
+  // for them (the step's one synchronisation) with the up projection already on the device.
+  void queue_counters(const DeviceHybrid& gate, cudaStream_t stream) {
     TWELL_CUDA_CHECK(cudaMemcpyAsync(counters_host, gate.state().counters.data(), sizeof(HybridCounters),
                                      cudaMemcpyDeviceToHost, stream));
-    TWELL_CUDA_CHECK(cudaStreamSynchronize(stream));
+    TWELL_CUDA_CHECK(cudaEventRecord(counters_ready, stream));
+  }
+  HybridCounters wait_counters() {
+    TWELL_CUDA_CHECK(cudaEventSynchronize(counters_ready));
     return *counters_host;
   }
 
@@ -236,21 +244,25 @@ struct FfnTrainOp::State {
   }
 
   void remember(TrainPath p, const bf16* x_in, int64_t m, const DeviceFfnView& w, const DeviceHybrid* g,
-                int32_t b) {
+                const HybridCounters& counters) {
     path = p;
     x = x_in;
     rows = m;
     weights = w;
     gate = g;
-    backup_rows = b;
+    gate_counters = counters;
   }
 
   // Converts `twell` to the hybrid gate (growing the backup, and repacking with `repack_with`
-  // when the packer's spill was too small), then runs sparse_forward.
+  // when the packer's spill was too small), then runs the sparse step.
   void sparse_forward_from_twell(const bf16* x_in, int64_t m, const DeviceFfnView& w, const DeviceTwell& twell,
                                  const DeviceFfnView* repack_with, bf16* y, cudaStream_t stream);
-  void sparse_forward(const bf16* x_in, int64_t m, const DeviceFfnView& w, const DeviceHybrid& g, int32_t b,
-                      bf16* y, cudaStream_t stream);
+  // The sparse step in two parts: the up projection over the ELL rows, which the gate's counters
+  // do not change, then the rest once they are on the host.
+  void sparse_forward_start(const bf16* x_in, int64_t m, const DeviceFfnView& w, const DeviceHybrid& g,
+                            cudaStream_t stream);
+  void sparse_forward_finish(const bf16* x_in, int64_t m, const DeviceFfnView& w, const DeviceHybrid& g,
+                             const HybridCounters& counters, bf16* y, cudaStream_t stream);
   void sparse_backward(const bf16* dy, const DeviceFfnGrads& grads, cudaStream_t stream);
   // The dense step in two parts each way: what needs only x (dy), and the product that writes y (dx).
   // accumulate: add to y and dx instead of overwriting them.
@@ -275,17 +287,24 @@ struct FfnTrainOp::State {
   cudaStream_t hot_stream(cudaStream_t stream) const { return side ? side->get() : stream; }
 };
 
-void FfnTrainOp::State::sparse_forward(const bf16* x_in, int64_t m, const DeviceFfnView& w, const DeviceHybrid& g,
-                                       int32_t b, bf16* y, cudaStream_t stream) {
+void FfnTrainOp::State::sparse_forward_start(const bf16* x_in, int64_t m, const DeviceFfnView& w,
+                                             const DeviceHybrid& g, cudaStream_t stream) {
   dense = DenseBuffers{};
   const HybridView view = view_of(g);
-  const int32_t d = w.d_model, h = w.d_hidden;
   const int64_t ell = view.shape.ell_count();
   SparseBuffers& s = sparse;
   s.u_ell.resize(ell);
   s.h_ell.resize(ell);
   l1_row.resize(m);
-  sampled_up_projection(view, x_in, w.up, d, s.u_ell.data(), s.h_ell.data(), l1_row.data(), stream);
+  sampled_up_projection(view, x_in, w.up, w.d_model, s.u_ell.data(), s.h_ell.data(), l1_row.data(), stream);
+}
+
+void FfnTrainOp::State::sparse_forward_finish(const bf16* x_in, int64_t m, const DeviceFfnView& w,
+                                              const DeviceHybrid& g, const HybridCounters& counters, bf16* y,
+                                              cudaStream_t stream) {
+  const HybridView view = view_of(g);
+  const int32_t d = w.d_model, h = w.d_hidden, b = counters.backup_used;
+  SparseBuffers& s = sparse;
   if (b > 0) {
     const RowMajorGemm::HeuristicOnly varying_rows(gemm);  // b changes from step to step
     s.x_backup.resize(int64_t{b} * d);
@@ -306,13 +325,13 @@ void FfnTrainOp::State::sparse_forward(const bf16* x_in, int64_t m, const Device
     scatter_rows(s.y_backup.data(), view.backup_rows, b, d, y, stream);
   }
   finish_forward(m, view.row_nnz, stream);
-  remember(TrainPath::sparse, x_in, m, w, &g, b);
+  remember(TrainPath::sparse, x_in, m, w, &g, counters);
 }
 
 void FfnTrainOp::State::sparse_backward(const bf16* dy, const DeviceFfnGrads& grads, cudaStream_t stream) {
   const HybridView view = view_of(*gate);
   const DeviceFfnView& w = weights;
-  const int32_t d = w.d_model, h = w.d_hidden, b = backup_rows;
+  const int32_t d = w.d_model, h = w.d_hidden, b = gate_counters.backup_used;
   const float l1_scale = static_cast<float>(options.l1_coeff / static_cast<double>(rows));
   SparseBuffers& s = sparse;
   s.dg_ell.resize(view.shape.ell_count());
@@ -320,7 +339,7 @@ void FfnTrainOp::State::sparse_backward(const bf16* dy, const DeviceFfnGrads& gr
   sampled_hidden_grad(view, dy, w.down, d, s.u_ell.data(), s.h_ell.data(), l1_scale, s.dg_ell.data(),
                       s.du_ell.data(), stream);
   ell_rows_times_weights(view, s.dg_ell.data(), w.gate, s.du_ell.data(), w.up, d, grads.dx, stream);
-  build_neuron_lists(view, s.lists, stream);
+  build_neuron_lists(view, gate_counters.ell_entries, s.lists, stream);
   neuron_weight_grads(s.lists, view.shape, s.h_ell.data(), nullptr, dy, d, grads.d_down, nullptr, stream);
   neuron_weight_grads(s.lists, view.shape, s.dg_ell.data(), s.du_ell.data(), x, d, grads.d_gate, grads.d_up, stream);
   if (b == 0) return;
@@ -376,7 +395,7 @@ void FfnTrainOp::State::dense_forward_hidden(const bf16* x_in, int64_t m, const 
              stream);
   }
   gated_product_rows(gate_up, stride, m, h, dense.h.data(), l1_row.data(), nnz_row.data(), stream);
-  remember(TrainPath::dense, x_in, m, w, nullptr, 0);
+  remember(TrainPath::dense, x_in, m, w, nullptr, HybridCounters{});
 }
 
 void FfnTrainOp::State::dense_forward_output(bf16* y, cudaStream_t stream, bool accumulate) {
@@ -503,7 +522,9 @@ void FfnTrainOp::State::sparse_forward_from_twell(const bf16* x_in, int64_t m, c
   hybrid.reserve(HybridShape{m, w.d_hidden, width}, std::max(hybrid.backup_capacity(), initial_capacity));
   for (;;) {
     twell_to_hybrid(twell, width, hybrid, stream);
-    const HybridCounters counters = read_counters(hybrid, stream);  // the step's synchronisation
+    queue_counters(hybrid, stream);
+    sparse_forward_start(x_in, m, w, hybrid, stream);
+    const HybridCounters counters = wait_counters();  // the step's synchronisation
     if (counters.gate_incomplete != 0) {
       TWELL_REQUIRE(repack_with != nullptr,
                     "the TwELL gate is an incomplete packing (spill_used > spill capacity): grow the spill and pack "
@@ -515,7 +536,7 @@ void FfnTrainOp::State::sparse_forward_from_twell(const bf16* x_in, int64_t m, c
       continue;
     }
     if (counters.backup_used <= hybrid.backup_capacity()) {
-      sparse_forward(x_in, m, w, hybrid, counters.backup_used, y, stream);
+      sparse_forward_finish(x_in, m, w, hybrid, counters, y, stream);
       return;
     }
     // Too many rows over W: grow the backup with headroom and convert again (rows are never dropped).
@@ -575,12 +596,14 @@ void FfnTrainOp::forward(const bf16* x, int64_t rows, const DeviceFfnView& weigh
                 s.options.hot_fraction);
   s.begin_given_gate_step();
   s.step_hidden = w.d_hidden;
-  const HybridCounters counters = s.read_counters(gate, stream);
+  s.queue_counters(gate, stream);
+  s.sparse_forward_start(x, rows, w, gate, stream);
+  const HybridCounters counters = s.wait_counters();
   TWELL_REQUIRE(counters.gate_incomplete == 0, "hybrid gate was converted from an incomplete TwELL packing");
   TWELL_REQUIRE(counters.backup_used <= gate.backup_capacity(),
                 "hybrid gate is incomplete: {} backup rows used, capacity {}", counters.backup_used,
                 gate.backup_capacity());
-  s.sparse_forward(x, rows, w, gate, counters.backup_used, y, stream);
+  s.sparse_forward_finish(x, rows, w, gate, counters, y, stream);
 }
 
 void FfnTrainOp::backward(const bf16* dy, const DeviceFfnGrads& grads, cudaStream_t stream) {
@@ -613,7 +636,7 @@ FfnTrainStats FfnTrainOp::stats(cudaStream_t stream) const {
   }
   if (s.path == TrainPath::sparse) {
     out.ell_width = s.gate->shape().ell_width;
-    out.backup_rows = s.backup_rows;
+    out.backup_rows = s.gate_counters.backup_used;
   }
   return out;
 }

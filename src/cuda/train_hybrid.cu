@@ -4,6 +4,7 @@
 
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_scan.cuh>
+#include <thrust/iterator/transform_iterator.h>
 
 #include "cuda/train_kernels.cuh"
 #include "twell/convert.h"
@@ -48,19 +49,27 @@ __device__ __forceinline__ int32_t warp_inclusive_sum(int32_t value) {
   return value;
 }
 
-// Pass 1: row_nnz[r] and the over-W flag (into overflow_flag, scanned next).
+// Pass 1: row_nnz[r], the over-W flag (into overflow_flag, scanned next) and the ELL entries.
 __global__ void hybrid_row_counts_kernel(TwellView gate, int32_t ell_width, int32_t* row_nnz,
                                          int32_t* overflow_flag, HybridCounters* counters) {
+  __shared__ int32_t ell_entries[kRowsPerBlock];
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kWarp;
-  const int lane = threadIdx.x % kWarp;
-  if (row >= gate.shape.rows) return;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   int32_t count = 0;
-  for (int32_t t = lane; t < gate.shape.n_tiles(); t += kWarp) count += tile_count(gate, row, t, counters);
-  for (int offset = kWarp / 2; offset > 0; offset /= 2) count += __shfl_xor_sync(0xffffffffu, count, offset);
-  if (lane == 0) {
-    row_nnz[row] = count;
-    overflow_flag[row] = count > ell_width ? 1 : 0;
+  if (row < gate.shape.rows) {
+    for (int32_t t = lane; t < gate.shape.n_tiles(); t += kWarp) count += tile_count(gate, row, t, counters);
+    for (int offset = kWarp / 2; offset > 0; offset /= 2) count += __shfl_xor_sync(0xffffffffu, count, offset);
+    if (lane == 0) {
+      row_nnz[row] = count;
+      overflow_flag[row] = count > ell_width ? 1 : 0;
+    }
   }
+  if (lane == 0) ell_entries[warp] = count <= ell_width ? count : 0;
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  int32_t block_entries = 0;
+  for (int w = 0; w < kRowsPerBlock; ++w) block_entries += ell_entries[w];
+  if (block_entries > 0) atomicAdd(&counters->ell_entries, block_entries);
 }
 
 // Writes the non-zeros of tile t (columns ascending) through `store(position, value_bits, column)`.
@@ -140,19 +149,28 @@ __global__ void hybrid_write_kernel(TwellView gate, int32_t ell_width, const int
     });
 }
 
-__global__ void neuron_list_keys_kernel(HybridView gate, int32_t* keys, int32_t* entries, int32_t* col_count) {
-  const int64_t count = gate.shape.ell_count();
+// The entries of an ELL row (0 for a row over W): what the list keys are compacted by.
+struct EllRowEntries {
+  int32_t width;
+  __host__ __device__ int32_t operator()(int32_t nnz) const { return nnz <= width ? nnz : 0; }
+};
+
+// One warp per row: its entries' keys (columns) and ELL indices at row_offset[row], compacted.
+__global__ void neuron_list_keys_kernel(HybridView gate, const int32_t* row_offset, int32_t* keys, int32_t* entries,
+                                        int32_t* col_count) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  if (row >= gate.shape.rows) return;
   const int32_t width = gate.shape.ell_width;
-  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < count;
-       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t row = e / width;
-    const int32_t k = static_cast<int32_t>(e - row * width);
-    const int32_t nnz = gate.row_nnz[row];
-    const bool valid = nnz <= width && k < nnz;
-    const int32_t column = valid ? gate.ell_cols[e] : gate.shape.cols;
-    keys[e] = column;
-    entries[e] = static_cast<int32_t>(e);
-    if (valid) atomicAdd(&col_count[column], 1);
+  const int32_t nnz = gate.row_nnz[row];
+  if (nnz > width) return;
+  const int32_t first = row_offset[row];
+  for (int32_t k = lane; k < nnz; k += kWarp) {
+    const int64_t e = row * width + k;
+    const int32_t column = gate.ell_cols[e];
+    keys[first + k] = column;
+    entries[first + k] = static_cast<int32_t>(e);
+    atomicAdd(&col_count[column], 1);
   }
 }
 
@@ -227,7 +245,9 @@ void DeviceHybrid::upload(const HybridMatrix& host, cudaStream_t stream) {
     s.backup.upload(host.backup.data(), backup_elements, stream);
     s.backup_rows.upload(host.backup_rows.data(), static_cast<size_t>(host.backup_used), stream);
   }
-  const HybridCounters counters{host.backup_used, 0};
+  int64_t ell_entries = 0;
+  for (const int32_t nnz : host.row_nnz) ell_entries += nnz <= host.shape.ell_width ? nnz : 0;
+  const HybridCounters counters{host.backup_used, 0, static_cast<int32_t>(ell_entries)};
   s.counters.upload(&counters, 1, stream);
   TWELL_CUDA_CHECK(cudaStreamSynchronize(stream));  // the host arrays may go away after this call
 }
@@ -295,31 +315,43 @@ void twell_to_hybrid(const DeviceTwell& packed, int32_t ell_width, DeviceHybrid&
   TWELL_CUDA_CHECK_LAUNCH();
 }
 
-void build_neuron_lists(const HybridView& gate, NeuronLists& lists, cudaStream_t stream) {
-  const int64_t count = gate.shape.ell_count();
+void build_neuron_lists(const HybridView& gate, int32_t ell_entries, NeuronLists& lists, cudaStream_t stream) {
+  const int64_t rows = gate.shape.rows;
   const int32_t cols = gate.shape.cols;
+  TWELL_REQUIRE(ell_entries >= 0 && ell_entries <= gate.shape.ell_count(),
+                "hybrid gate claims {} ELL entries, more than M·W = {}", ell_entries, gate.shape.ell_count());
+  const int64_t count = ell_entries;
   for (int i = 0; i < 2; ++i) {
-    lists.keys[i].resize(count);
-    lists.entries[i].resize(count);
+    lists.keys[i].resize(std::max<int64_t>(1, count));
+    lists.entries[i].resize(std::max<int64_t>(1, count));
   }
+  lists.row_offset.resize(rows);
   lists.col_count.resize(cols + 1);
   lists.col_start.resize(cols + 1);
+  if (lists.chunk_tickets.size() < static_cast<size_t>(cols)) {
+    lists.chunk_tickets.resize(cols);
+    TWELL_CUDA_CHECK(cudaMemsetAsync(lists.chunk_tickets.data(), 0, sizeof(uint32_t) * cols, stream));
+  }
   TWELL_CUDA_CHECK(cudaMemsetAsync(lists.col_count.data(), 0, sizeof(int32_t) * (cols + 1), stream));
-  const int threads = 256;
-  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((count + threads - 1) / threads, 65535 * 8));
-  neuron_list_keys_kernel<<<blocks, threads, 0, stream>>>(gate, lists.keys[0].data(), lists.entries[0].data(),
-                                                          lists.col_count.data());
-  TWELL_CUDA_CHECK_LAUNCH();
 
+  const auto row_entries = thrust::make_transform_iterator(gate.row_nnz, EllRowEntries{gate.shape.ell_width});
   cub::DoubleBuffer<int32_t> keys(lists.keys[0].data(), lists.keys[1].data());
   cub::DoubleBuffer<int32_t> entries(lists.entries[0].data(), lists.entries[1].data());
-  size_t sort_bytes = 0, scan_bytes = 0;
-  const int end_bit = bits_for(cols);  // keys are in [0, H]
+  size_t sort_bytes = 0, scan_bytes = 0, row_scan_bytes = 0;
+  const int end_bit = bits_for(cols - 1);  // keys are in [0, H)
+  TWELL_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(nullptr, row_scan_bytes, row_entries, lists.row_offset.data(),
+                                                 static_cast<int>(rows), stream));
   TWELL_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, keys, entries, static_cast<int>(count), 0,
                                                    end_bit, stream));
   TWELL_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(nullptr, scan_bytes, lists.col_count.data(),
                                                  lists.col_start.data(), cols + 1, stream));
-  lists.sort_scratch.resize(std::max(sort_bytes, scan_bytes));
+  lists.sort_scratch.resize(std::max({sort_bytes, scan_bytes, row_scan_bytes}));
+  TWELL_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(lists.sort_scratch.data(), row_scan_bytes, row_entries,
+                                                 lists.row_offset.data(), static_cast<int>(rows), stream));
+  const unsigned row_blocks = static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock);
+  neuron_list_keys_kernel<<<row_blocks, kRowsPerBlock * kWarp, 0, stream>>>(
+      gate, lists.row_offset.data(), lists.keys[0].data(), lists.entries[0].data(), lists.col_count.data());
+  TWELL_CUDA_CHECK_LAUNCH();
   TWELL_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(lists.sort_scratch.data(), sort_bytes, keys, entries,
                                                    static_cast<int>(count), 0, end_bit, stream));
   TWELL_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(lists.sort_scratch.data(), scan_bytes, lists.col_count.data(),
@@ -332,6 +364,7 @@ void build_neuron_lists(const HybridView& gate, NeuronLists& lists, cudaStream_t
   lists.chunk_entries =
       static_cast<int32_t>(std::max(kMinChunkEntries, (count + kMaxPartialRows - 1) / kMaxPartialRows));
   lists.max_partials = count / lists.chunk_entries;
+  const int threads = 256;
   lists.chunk_start.resize(cols + 1);
   neuron_chunk_count_kernel<<<(cols + threads) / threads, threads, 0, stream>>>(
       lists.col_start.data(), cols, lists.chunk_entries, lists.col_count.data());

@@ -15,6 +15,7 @@ namespace twell::cuda {
 struct HybridCounters {
   int32_t backup_used;       // rows with more than W non-zeros (may exceed the capacity)
   int32_t gate_incomplete;   // 1 when the TwELL input referenced a spill row past its capacity
+  int32_t ell_entries;       // non-zeros of the rows within W: the length of the neuron lists
 };
 
 // Raw device view of a DeviceTwell (cuda.h) that kernels take by value.
@@ -59,33 +60,40 @@ HybridView view_of(const DeviceHybrid& hybrid);
 
 // Per-neuron list of the ELL entries (rows over W excluded), built on the device: the sparse
 // transpose the weight gradients read. Entries of neuron j are entry[col_start[j] .. col_start[j+1])
-// in ascending row order (a stable radix sort), each an ELL index r·W + k.
+// in ascending row order (a stable radix sort), each an ELL index r·W + k. Only the E real entries
+// are sorted (E = HybridCounters::ell_entries, known on the host from the forward's read-back):
+// row r's entries start at row_offset[r], the scan of the rows' counts.
 //
 // The weight gradients walk each list in chunks of at most `chunk_entries` entries, one block per
 // chunk: one neuron's list can be ~30x the mean (hot neurons), and one block walking it alone would
 // set the kernel's time. Neuron j owns chunks chunk_start[j] .. chunk_start[j+1] (at least one, so
 // every gradient row is written); chunk c > 0 of neuron j leaves its partial row in slot
-// chunk_start[j] - j + c - 1 of `partial`, added in chunk order afterwards (deterministic).
+// chunk_start[j] - j + c - 1 of `partial`. The last of a neuron's chunks to finish (chunk_tickets
+// counts them) adds the partial rows in chunk order (deterministic) and sets the ticket back to 0.
 struct NeuronLists {
-  DeviceBuffer<int32_t> keys[2];     // [M·W] column (H for padding), double buffer
-  DeviceBuffer<int32_t> entries[2];  // [M·W] ELL index, double buffer
+  DeviceBuffer<int32_t> keys[2];     // [E] column, double buffer
+  DeviceBuffer<int32_t> entries[2];  // [E] ELL index, double buffer
+  DeviceBuffer<int32_t> row_offset;  // [M] first entry of each row
   DeviceBuffer<int32_t> col_count;   // [H + 1] entries, then chunks per neuron
   DeviceBuffer<int32_t> col_start;   // [H + 1]
   DeviceBuffer<int32_t> chunk_start;  // [H + 1]
   DeviceBuffer<int32_t> chunk_neuron;  // [H + max_partials] the neuron owning each chunk
+  DeviceBuffer<uint32_t> chunk_tickets;  // [H] finished chunks per neuron, 0 between launches
   DeviceBuffer<uint8_t> sort_scratch;
   DeviceBuffer<float> partial[2];     // [max_partials, D] each: chunk partial sums of the two outputs
   const int32_t* sorted_entries = nullptr;  // points into entries[0] or entries[1]
   int32_t chunk_entries = 0;
-  int64_t max_partials = 0;  // bound on chunk_start[H] - H (chunks past each neuron's first): M·W / chunk_entries
+  int64_t max_partials = 0;  // bound on chunk_start[H] - H (chunks past each neuron's first): E / chunk_entries
 
   int64_t bytes() const {
     return static_cast<int64_t>(keys[0].bytes() + keys[1].bytes() + entries[0].bytes() + entries[1].bytes() +
-                                col_count.bytes() + col_start.bytes() + chunk_start.bytes() + chunk_neuron.bytes() + sort_scratch.bytes() +
+                                row_offset.bytes() + col_count.bytes() + col_start.bytes() + chunk_start.bytes() +
+                                chunk_neuron.bytes() + chunk_tickets.bytes() + sort_scratch.bytes() +
                                 partial[0].bytes() + partial[1].bytes());
   }
 };
-void build_neuron_lists(const HybridView& gate, NeuronLists& lists, cudaStream_t stream);
+// `ell_entries`: E above, the gate's HybridCounters::ell_entries.
+void build_neuron_lists(const HybridView& gate, int32_t ell_entries, NeuronLists& lists, cudaStream_t stream);
 
 // ---- Sparse products (one launch each) ----
 

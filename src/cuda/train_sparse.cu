@@ -204,14 +204,34 @@ struct ChunkedLists {
   const int32_t* col_start;
   const int32_t* chunk_start;
   const int32_t* chunk_neuron;
+  uint32_t* chunk_tickets;
   const int32_t* sorted_entries;
   int32_t cols;
   int32_t chunk_entries;
 };
 
+// out[j, :] += the partial rows of neuron j's chunks 1.. in chunk order, read past the L1 (other
+// SMs wrote them). A thread owns 8 columns, as in the kernel below.
+__device__ void add_chunk_partials(int64_t neuron, int64_t first_partial, int32_t partials, const float* partial,
+                                   int32_t d_model, float* out) {
+  const int32_t vectors = d_model / kVector;
+  for (int32_t v = threadIdx.x; v < vectors; v += blockDim.x) {
+    float4* dst = reinterpret_cast<float4*>(out + neuron * d_model) + 2 * v;
+    float4 lo = __ldcg(dst), hi = __ldcg(dst + 1);
+    for (int32_t c = 0; c < partials; ++c) {
+      const float4* src = reinterpret_cast<const float4*>(partial + (first_partial + c) * d_model) + 2 * v;
+      const float4 plo = __ldcg(src), phi = __ldcg(src + 1);
+      lo = make_float4(lo.x + plo.x, lo.y + plo.y, lo.z + plo.z, lo.w + plo.w);
+      hi = make_float4(hi.x + phi.x, hi.y + phi.y, hi.z + phi.z, hi.w + phi.w);
+    }
+    dst[0] = lo;
+    dst[1] = hi;
+  }
+}
+
 // Σ a[e]·rows[row(e), :] over one chunk of neuron j's list (and the same with b), fp32: chunk 0
-// into out_a[j, :], chunk c > 0 into its partial slot (NeuronLists). Block = one chunk; a thread
-// owns 8 columns.
+// into out_a[j, :], chunk c > 0 into its partial slot (NeuronLists); the neuron's last chunk to
+// finish adds the partial rows. Block = one chunk; a thread owns 8 columns.
 template <bool kTwoTerms>
 __global__ void __launch_bounds__(kMaxBatch, kMinNeuronBlocksPerSm)
     neuron_grad_kernel(ChunkedLists lists, int32_t width, const float* a_ell, const float* b_ell, const bf16* rows,
@@ -225,11 +245,10 @@ __global__ void __launch_bounds__(kMaxBatch, kMinNeuronBlocksPerSm)
   const int32_t chunk_in_list = chunk - lists.chunk_start[neuron];
   const int32_t begin = lists.col_start[neuron] + chunk_in_list * lists.chunk_entries;
   const int32_t end = min(lists.col_start[neuron + 1], begin + lists.chunk_entries);
-  const int64_t out_row = chunk_in_list == 0 ? neuron : lists.chunk_start[neuron] - neuron + chunk_in_list - 1;
-  if (chunk_in_list > 0) {
-    out_a = partial_a;
-    out_b = partial_b;
-  }
+  const int64_t first_partial = lists.chunk_start[neuron] - neuron;
+  const int64_t dst_row = chunk_in_list == 0 ? neuron : first_partial + chunk_in_list - 1;
+  float* dst_rows_a = chunk_in_list == 0 ? out_a : partial_a;
+  float* dst_rows_b = chunk_in_list == 0 ? out_b : partial_b;
   const int32_t* sorted_entries = lists.sorted_entries;
   const int32_t vectors = d_model / kVector;
   for (int32_t v0 = 0; v0 < vectors; v0 += blockDim.x) {
@@ -255,36 +274,29 @@ __global__ void __launch_bounds__(kMaxBatch, kMinNeuronBlocksPerSm)
       }
     }
     if (!active) continue;
-    float4* dst_a = reinterpret_cast<float4*>(out_a + out_row * d_model) + 2 * v;
+    float4* dst_a = reinterpret_cast<float4*>(dst_rows_a + dst_row * d_model) + 2 * v;
     dst_a[0] = make_float4(acc_a[0], acc_a[1], acc_a[2], acc_a[3]);
     dst_a[1] = make_float4(acc_a[4], acc_a[5], acc_a[6], acc_a[7]);
     if (kTwoTerms) {
-      float4* dst_b = reinterpret_cast<float4*>(out_b + out_row * d_model) + 2 * v;
+      float4* dst_b = reinterpret_cast<float4*>(dst_rows_b + dst_row * d_model) + 2 * v;
       dst_b[0] = make_float4(acc_b[0], acc_b[1], acc_b[2], acc_b[3]);
       dst_b[1] = make_float4(acc_b[4], acc_b[5], acc_b[6], acc_b[7]);
     }
   }
-}
-
-// out[j, :] += the partial rows of neuron j's chunks 1.. in chunk order (block per neuron).
-__global__ void neuron_chunk_sum_kernel(const int32_t* chunk_start, const float* partial, int32_t d_model,
-                                        float* out) {
-  const int32_t neuron = blockIdx.x;
-  const int32_t chunks = chunk_start[neuron + 1] - chunk_start[neuron];
-  if (chunks <= 1) return;
-  const int64_t first = chunk_start[neuron] - neuron;
-  const int32_t vectors = d_model / 4;
-  for (int32_t v = threadIdx.x; v < vectors; v += blockDim.x) {
-    float4 sum = reinterpret_cast<const float4*>(out + static_cast<int64_t>(neuron) * d_model)[v];
-    for (int32_t c = 0; c + 1 < chunks; ++c) {
-      const float4 p = reinterpret_cast<const float4*>(partial + (first + c) * d_model)[v];
-      sum.x += p.x;
-      sum.y += p.y;
-      sum.z += p.z;
-      sum.w += p.w;
-    }
-    reinterpret_cast<float4*>(out + static_cast<int64_t>(neuron) * d_model)[v] = sum;
+  const int32_t chunks = lists.chunk_start[neuron + 1] - lists.chunk_start[neuron];
+  if (chunks == 1) return;
+  __shared__ bool last;
+  __threadfence();  // this block's row is visible before its ticket says so
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    last = atomicAdd(lists.chunk_tickets + neuron, 1u) == static_cast<uint32_t>(chunks - 1);
+    if (last) lists.chunk_tickets[neuron] = 0;  // every other chunk has taken its ticket
   }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  add_chunk_partials(neuron, first_partial, chunks - 1, partial_a, d_model, out_a);
+  if (kTwoTerms) add_chunk_partials(neuron, first_partial, chunks - 1, partial_b, d_model, out_b);
 }
 
 // ---- Rows moved between the [M, D] matrices and the dense backup blocks ----
@@ -500,7 +512,7 @@ void neuron_weight_grads(NeuronLists& lists, const HybridShape& shape, const flo
   lists.partial[0].resize(partial_count);
   if (b_ell) lists.partial[1].resize(partial_count);
   const ChunkedLists chunked{lists.col_start.data(), lists.chunk_start.data(), lists.chunk_neuron.data(),
-                             lists.sorted_entries, shape.cols, lists.chunk_entries};
+                             lists.chunk_tickets.data(), lists.sorted_entries, shape.cols, lists.chunk_entries};
   const int threads = row_block_threads(d_model);
   const unsigned chunk_bound = grid_of(shape.cols + lists.max_partials);  // every neuron has at least one chunk
   if (b_ell)
@@ -510,14 +522,6 @@ void neuron_weight_grads(NeuronLists& lists, const HybridShape& shape, const flo
   else
     neuron_grad_kernel<false><<<chunk_bound, threads, 0, stream>>>(
         chunked, shape.ell_width, a_ell, nullptr, rows, d_model, out_a, nullptr, lists.partial[0].data(), nullptr);
-  TWELL_CUDA_CHECK_LAUNCH();
-  if (lists.max_partials == 0) return;
-  const int sum_threads = std::min(256, ((d_model / 4 + kWarp - 1) / kWarp) * kWarp);
-  neuron_chunk_sum_kernel<<<grid_of(shape.cols), sum_threads, 0, stream>>>(lists.chunk_start.data(),
-                                                                            lists.partial[0].data(), d_model, out_a);
-  if (b_ell)
-    neuron_chunk_sum_kernel<<<grid_of(shape.cols), sum_threads, 0, stream>>>(lists.chunk_start.data(),
-                                                                              lists.partial[1].data(), d_model, out_b);
   TWELL_CUDA_CHECK_LAUNCH();
 }
 
