@@ -433,7 +433,7 @@ TEST(CudaTrainOp, TimedDispatchTriesEveryCandidateThenSettles) {
     if (settled_on && step >= settled_step + 3) break;
   }
   ASSERT_TRUE(settled_on.has_value()) << "no choice after " << step << " steps";
-  // round(f·1024 / 128)·128 (whole TwELL tiles) for f = 0.125, 0.25, 0.35, 0.45
+  // round(f·1024 / 128)·128 (whole TwELL tiles) for f = 0.11, 0.25, 0.35, 0.45
   const std::set<std::pair<cuda::TrainPath, int32_t>> candidates = {
       {cuda::TrainPath::dense, 0},   {cuda::TrainPath::sparse, 0},   {cuda::TrainPath::sparse, 128},
       {cuda::TrainPath::sparse, 256}, {cuda::TrainPath::sparse, 384}, {cuda::TrainPath::sparse, 512}};

@@ -228,8 +228,10 @@ void run_cuda(const TrainBenchOptions& o) {
       }
       for (int i = 0; i < o.warmup; ++i)
         for (Run& run : runs) train_step(run);
+      // Each round in its own order (round_order): no run always follows the same one.
       for (int i = 0; i < o.reps; ++i)
-        for (Run& run : runs) {
+        for (size_t k : round_order(runs.size(), i)) {
+          Run& run = runs[k];
           check_cuda(cudaEventRecord(start, stream), "cudaEventRecord");
           train_step(run);
           check_cuda(cudaEventRecord(stop, stream), "cudaEventRecord");
