@@ -49,6 +49,13 @@ __device__ __forceinline__ int32_t warp_inclusive_sum(int32_t value) {
   return value;
 }
 
+// The entries of an ELL row (0 for a row over W, which goes to the backup): the length of the
+// row's part of the neuron lists, counted by the conversion and compacted by build_neuron_lists.
+struct EllRowEntries {
+  int32_t width;
+  __host__ __device__ int32_t operator()(int32_t nnz) const { return nnz <= width ? nnz : 0; }
+};
+
 // Pass 1: row_nnz[r], the over-W flag (into overflow_flag, scanned next) and the ELL entries.
 __global__ void hybrid_row_counts_kernel(TwellView gate, int32_t ell_width, int32_t* row_nnz,
                                          int32_t* overflow_flag, HybridCounters* counters) {
@@ -64,7 +71,7 @@ __global__ void hybrid_row_counts_kernel(TwellView gate, int32_t ell_width, int3
       overflow_flag[row] = count > ell_width ? 1 : 0;
     }
   }
-  if (lane == 0) ell_entries[warp] = count <= ell_width ? count : 0;
+  if (lane == 0) ell_entries[warp] = EllRowEntries{ell_width}(count);
   __syncthreads();
   if (threadIdx.x != 0) return;
   int32_t block_entries = 0;
@@ -149,12 +156,6 @@ __global__ void hybrid_write_kernel(TwellView gate, int32_t ell_width, const int
     });
 }
 
-// The entries of an ELL row (0 for a row over W): what the list keys are compacted by.
-struct EllRowEntries {
-  int32_t width;
-  __host__ __device__ int32_t operator()(int32_t nnz) const { return nnz <= width ? nnz : 0; }
-};
-
 // One warp per row: its entries' keys (columns) and ELL indices at row_offset[row], compacted.
 __global__ void neuron_list_keys_kernel(HybridView gate, const int32_t* row_offset, int32_t* keys, int32_t* entries,
                                         int32_t* col_count) {
@@ -162,8 +163,7 @@ __global__ void neuron_list_keys_kernel(HybridView gate, const int32_t* row_offs
   const int lane = threadIdx.x % kWarp;
   if (row >= gate.shape.rows) return;
   const int32_t width = gate.shape.ell_width;
-  const int32_t nnz = gate.row_nnz[row];
-  if (nnz > width) return;
+  const int32_t nnz = EllRowEntries{width}(gate.row_nnz[row]);
   const int32_t first = row_offset[row];
   for (int32_t k = lane; k < nnz; k += kWarp) {
     const int64_t e = row * width + k;
@@ -246,7 +246,7 @@ void DeviceHybrid::upload(const HybridMatrix& host, cudaStream_t stream) {
     s.backup_rows.upload(host.backup_rows.data(), static_cast<size_t>(host.backup_used), stream);
   }
   int64_t ell_entries = 0;
-  for (const int32_t nnz : host.row_nnz) ell_entries += nnz <= host.shape.ell_width ? nnz : 0;
+  for (const int32_t nnz : host.row_nnz) ell_entries += EllRowEntries{host.shape.ell_width}(nnz);
   const HybridCounters counters{host.backup_used, 0, static_cast<int32_t>(ell_entries)};
   s.counters.upload(&counters, 1, stream);
   TWELL_CUDA_CHECK(cudaStreamSynchronize(stream));  // the host arrays may go away after this call
