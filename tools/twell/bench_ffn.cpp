@@ -327,6 +327,10 @@ void add_bench_ffn(CLI::App& bench) {
   command->add_option("--compression", options->compression, "TwELL compression C (2, 4 or 8)")->capture_default_str();
   command->add_flag("!--split-one-stream", options->split_side_stream,
                     "cuda: a split's dense and TwELL parts one after the other on one stream (default: side by side)");
+  command->add_option("--impl", options->impls,
+                      "cuda: implementations timed besides dense (twell, twell_blocks, twell_split, twell_auto; "
+                      "default all)")
+      ->delimiter(',');
   command->add_option("--threads", options->threads, "CPU threads, 0 = all cores")->capture_default_str();
   command->add_option("--isa", options->isa, "CPU kernels: scalar, avx2 or avx512 (default: the best this CPU has)");
   command->add_option("--clock", options->clock,

@@ -27,6 +27,7 @@ struct FfnBenchOptions {
   int32_t tile = 128;         // TwELL T
   int32_t compression = 4;    // TwELL C
   bool split_side_stream = true;  // CUDA split paths: dense part on a second stream (SparseFfnOptions)
+  std::vector<std::string> impls;  // CUDA: the implementations to time besides dense; empty = all
   int threads = 0;            // CPU threads, 0 = all cores
   std::string isa;            // CPU ISA override ("scalar", "avx2", "avx512"); empty = best
   std::string clock = "wall";  // CPU: "wall", or "thread-cpu" (one thread only; see timing.h)
