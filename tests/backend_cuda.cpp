@@ -83,32 +83,6 @@ cuda::DeviceArray<bf16> poisoned_y(int64_t rows, int32_t d_model) {
 
 std::string cuda_skip_reason() { return cuda::available() ? "" : "no CUDA device is available"; }
 
-// cuda::ffn_from_twell on the padded shapes; row_blocks as the op takes it.
-void ffn_from_twell_padded(const float* x, const TwellMatrix& gate, const FfnWeights& weights, float* y,
-                           cuda::UpDownScratch* row_blocks) {
-  const cuda::DeviceFfnWeights device_weights = cuda::upload_weights(pad_weights(weights));
-  const int64_t rows = gate.shape.rows;
-  const cuda::DeviceArray<bf16> device_x = upload_x(x, rows, weights.d_model);
-  cuda::DeviceTwell packed;
-  cuda::upload(gate, packed);
-  const cuda::DeviceArray<bf16> device_y = poisoned_y(rows, weights.d_model);
-  cuda::ffn_from_twell(device_x.get(), packed, device_weights, device_y.get(), nullptr, false, row_blocks);
-  download_y(device_y.get(), rows, weights.d_model, y);
-}
-
-// The row-block form of ffn_from_twell (up products per row, down product by blocks of rows) over the
-// same sweep.
-const bool registered_row_blocks = test::register_backend({
-    .name = "cuda_row_blocks",
-    .skip_reason = cuda_skip_reason,
-    .precision = {.hidden_bf16 = true, .output_bf16 = true},
-    .ffn_from_twell =
-        [](const float* x, const TwellMatrix& gate, const FfnWeights& weights, float* y) {
-          cuda::UpDownScratch scratch;
-          ffn_from_twell_padded(x, gate, weights, y, &scratch);
-        },
-});
-
 const bool registered = test::register_backend({
     .name = "cuda",
     .skip_reason = cuda_skip_reason,
@@ -125,7 +99,14 @@ const bool registered = test::register_backend({
         },
     .ffn_from_twell =
         [](const float* x, const TwellMatrix& gate, const FfnWeights& weights, float* y) {
-          ffn_from_twell_padded(x, gate, weights, y, nullptr);
+          const cuda::DeviceFfnWeights device_weights = cuda::upload_weights(pad_weights(weights));
+          const int64_t rows = gate.shape.rows;
+          const cuda::DeviceArray<bf16> device_x = upload_x(x, rows, weights.d_model);
+          cuda::DeviceTwell packed;
+          cuda::upload(gate, packed);
+          const cuda::DeviceArray<bf16> device_y = poisoned_y(rows, weights.d_model);
+          cuda::ffn_from_twell(device_x.get(), packed, device_weights, device_y.get());
+          download_y(device_y.get(), rows, weights.d_model, y);
         },
     .ffn_dense =
         [](const float* x, int64_t rows, const FfnWeights& weights, float* y) {

@@ -5,7 +5,6 @@
 // SparseFfn (sparse_ffn.cu) when the workload changes between calls, and its split paths (y added to,
 // views of neuron ranges). Skipped without a GPU.
 #include <set>
-#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -26,25 +25,13 @@ class CudaFfnFromTwell : public test::CudaTest<> {};
 
 using test::error_of;
 
-// y of ffn_from_twell, written over bf16 NaN; row_blocks: its row-block form.
-std::vector<float> sparse_y(const test::WorkloadOnDevice& d, const cuda::DeviceTwell& packed,
-                            cuda::UpDownScratch* row_blocks = nullptr) {
+// y of ffn_from_twell, written over bf16 NaN.
+std::vector<float> sparse_y(const test::WorkloadOnDevice& d, const cuda::DeviceTwell& packed) {
   const size_t count = d.work.x.size();
   const cuda::DeviceArray<bf16> y = cuda::make_device_array<bf16>(count);
   EXPECT_EQ(cudaMemset(y.get(), 0xff, count * sizeof(bf16)), cudaSuccess);
-  cuda::ffn_from_twell(d.x.get(), packed, d.weights, y.get(), nullptr, false, row_blocks);
+  cuda::ffn_from_twell(d.x.get(), packed, d.weights, y.get());
   return cuda::download_bf16(y.get(), count);
-}
-
-// Both forms of ffn_from_twell: fn(row_blocks) with nullptr (the row kernel alone), then with a
-// scratch (the row-block form), under a trace naming the form.
-template <typename Fn>
-void for_both_forms(Fn&& fn) {
-  cuda::UpDownScratch scratch;
-  for (cuda::UpDownScratch* row_blocks : {static_cast<cuda::UpDownScratch*>(nullptr), &scratch}) {
-    SCOPED_TRACE(row_blocks ? "row-block form" : "row form");
-    fn(row_blocks);
-  }
 }
 
 TEST_F(CudaFfnFromTwell, LongRowsManyTileWindowsAndLostTiles) {
@@ -58,9 +45,11 @@ TEST_F(CudaFfnFromTwell, LongRowsManyTileWindowsAndLostTiles) {
     cuda::DeviceTwell packed;
     cuda::gate_to_twell(d.x.get(), spec.rows, d.weights, 128, 8, packed);
     ASSERT_GT(cuda::spill_rows_used(packed), packed.spill_capacity) << "this case must lose spill rows";
-    for_both_forms([&](cuda::UpDownScratch* row_blocks) { EXPECT_LT(error_of(d, sparse_y(d, packed, row_blocks)), 1e-2); });
+    const std::vector<float> y_lost = sparse_y(d, packed);
+    EXPECT_LT(error_of(d, y_lost), 1e-2);
     cuda::gate_to_twell_complete(d.x.get(), spec.rows, d.weights, 128, 8, packed);
-    for_both_forms([&](cuda::UpDownScratch* row_blocks) { EXPECT_LT(error_of(d, sparse_y(d, packed, row_blocks)), 1e-2); });
+    const std::vector<float> y_complete = sparse_y(d, packed);
+    EXPECT_LT(error_of(d, y_complete), 1e-2);
   }
 }
 
@@ -69,7 +58,7 @@ TEST_F(CudaFfnFromTwell, WidestModelOneVectorPerThread) {
   const test::WorkloadOnDevice d = test::upload_workload(spec);
   cuda::DeviceTwell packed;
   cuda::gate_to_twell_complete(d.x.get(), spec.rows, d.weights, 128, 4, packed);
-  for_both_forms([&](cuda::UpDownScratch* row_blocks) { EXPECT_LT(error_of(d, sparse_y(d, packed, row_blocks)), 1e-2); });
+  EXPECT_LT(error_of(d, sparse_y(d, packed)), 1e-2);
 }
 
 TEST_F(CudaFfnFromTwell, HotNeuronsWithinDenseErrorAndBitIdenticalAcrossCalls) {
@@ -79,17 +68,15 @@ TEST_F(CudaFfnFromTwell, HotNeuronsWithinDenseErrorAndBitIdenticalAcrossCalls) {
   const test::WorkloadOnDevice d = test::upload_workload(spec);
   cuda::DeviceTwell packed;
   cuda::gate_to_twell_complete(d.x.get(), spec.rows, d.weights, 256, 8, packed);
+  const std::vector<float> first = sparse_y(d, packed), second = sparse_y(d, packed);
+  EXPECT_EQ(first, second);
   const size_t count = d.work.x.size();
   const cuda::DeviceArray<bf16> y_dense = cuda::make_device_array<bf16>(count);
   cuda::DenseFfn dense;
   dense.run(d.x.get(), spec.rows, d.weights, y_dense.get());
   const double dense_error = error_of(d, cuda::download_bf16(y_dense.get(), count));
   EXPECT_LT(dense_error, 2e-2);
-  for_both_forms([&](cuda::UpDownScratch* row_blocks) {
-    const std::vector<float> first = sparse_y(d, packed, row_blocks), second = sparse_y(d, packed, row_blocks);
-    EXPECT_EQ(first, second);
-    EXPECT_LE(error_of(d, first), 1.1 * dense_error + 1e-6) << "dense error " << dense_error;
-  });
+  EXPECT_LE(error_of(d, first), 1.1 * dense_error + 1e-6) << "dense error " << dense_error;
 }
 
 // SparseFfn keys each call by the previous call's density. A TwELL time measured on one density must
@@ -115,16 +102,14 @@ TEST_F(CudaFfnFromTwell, AccumulateAddsTheFfnToY) {
   const WorkloadSpec spec{.rows = 37, .d_model = 192, .d_hidden = 1000, .density = 0.05, .seed = 26};
   const test::WorkloadOnDevice d = test::upload_workload(spec);
   const std::vector<float> start = make_normal(d.work.x.size(), 1.0, 27);
+  const cuda::DeviceArray<bf16> y = cuda::upload_bf16(start.data(), start.size());
   cuda::DeviceTwell packed;
   cuda::gate_to_twell_complete(d.x.get(), spec.rows, d.weights, 128, 4, packed);
+  cuda::ffn_from_twell(d.x.get(), packed, d.weights, y.get(), nullptr, /*accumulate=*/true);
   std::vector<double> expected = d.y_ref;
   for (size_t i = 0; i < expected.size(); ++i) expected[i] += start[i];
-  for_both_forms([&](cuda::UpDownScratch* row_blocks) {
-    const cuda::DeviceArray<bf16> y = cuda::upload_bf16(start.data(), start.size());
-    cuda::ffn_from_twell(d.x.get(), packed, d.weights, y.get(), nullptr, /*accumulate=*/true, row_blocks);
-    const std::vector<float> got = cuda::download_bf16(y.get(), start.size());
-    EXPECT_LT(relative_l2_error(got.data(), expected.data(), got.size()), 1e-2);
-  });
+  const std::vector<float> got = cuda::download_bf16(y.get(), start.size());
+  EXPECT_LT(relative_l2_error(got.data(), expected.data(), got.size()), 1e-2);
 }
 
 // The split paths of SparseFfn: on weights whose neurons are sorted by activity, each path the
@@ -139,11 +124,9 @@ TEST_F(CudaFfnFromTwell, SplitPathsOnSortedWeightsGiveTheFfn) {
       d.work.weights, cpu::count_active_neurons(calibration.data(), 512, d.work.weights)));
   const size_t count = d.work.x.size();
   const cuda::DeviceArray<bf16> y = cuda::make_device_array<bf16>(count);
-  for (const auto [side_stream, form] : {std::pair{true, cuda::UpDownForm::rows}, {false, cuda::UpDownForm::rows},
-                                         {true, cuda::UpDownForm::row_blocks}}) {
-    SCOPED_TRACE(testing::Message() << "row-block form " << (form == cuda::UpDownForm::row_blocks));
+  for (const bool side_stream : {true, false}) {
     cuda::SparseFfn ffn({.tile = 128, .compression = 4, .allow_dense = true, .hot_fractions = {0.125, 0.5, 0.95},
-                         .split_side_stream = side_stream, .up_down = form});
+                         .split_side_stream = side_stream});
     std::set<int32_t> hot_seen;
     for (int call = 0; call < 7; ++call) {
       ASSERT_EQ(cudaMemset(y.get(), 0xff, count * sizeof(bf16)), cudaSuccess);

@@ -142,19 +142,8 @@ void gate_to_twell_complete(const bf16* x, int64_t rows, const DeviceFfnView& we
 // -> down only. A tile whose spill row was lost to a too-small spill (row >= capacity) is recomputed
 // from x and W (the same relu(x·W^T) the packer saw, fp32 accumulation), so no input is ever wrong.
 // accumulate: y += the FFN (y's bf16 value is the sum's starting point; one rounding at the end).
-// row_blocks (the row-block form, when given): the up products per row as above, each non-zero's h kept
-// in the scratch, then the down product by blocks of 128 rows, which read each needed slice of Wd once
-// per block instead of once per non-zero (the rows of a block share many active neurons).
-struct UpDownScratch {  // grown, never shrunk
-  DeviceArray<float> h;           // per stored non-zero: at its slot index, then per spill value
-  int64_t h_capacity = 0;
-  DeviceArray<uint8_t> row_done;  // rows finished by the row kernel (a tile lost to the spill)
-  DeviceArray<int32_t> lost_rows;  // [row_capacity + 1]: those rows, then their count
-  int64_t row_capacity = 0;
-  int64_t bytes() const { return h_capacity * static_cast<int64_t>(sizeof(float)) + row_capacity * 5; }
-};
 void ffn_from_twell(const bf16* x, const DeviceTwell& gate, const DeviceFfnView& weights, bf16* y,
-                    cudaStream_t stream = nullptr, bool accumulate = false, UpDownScratch* row_blocks = nullptr);
+                    cudaStream_t stream = nullptr, bool accumulate = false);
 
 // Dense baseline through cuBLASLt: gate GEMM, up GEMM, h = act(g) ⊙ u (one elementwise kernel),
 // down GEMM (non-gated: up GEMM with ReLU epilogue, down GEMM). Holds the GEMM plans, a workspace and
@@ -211,16 +200,12 @@ class DenseFfn {
 // down GEMM waits for TwELL's y and adds to it. The tensor-core GEMMs and the L2-bound up+down kernel
 // then share the GPU instead of taking turns. The caller's stream waits for both before it goes on.
 class SideStream;  // src/cuda/cuda_utils.h
-// Which form of ffn_from_twell the TwELL paths run: the row kernel alone, the row-block form, or
-// (fastest) both as paths of their own, timed like the others; a split then runs the faster of them.
-enum class UpDownForm { rows, row_blocks, fastest };
 struct SparseFfnOptions {
   int32_t tile = 128;
   int32_t compression = 4;
   bool allow_dense = true;  // false: never the all-dense path (benchmarks of the kernels themselves)
   std::vector<double> hot_fractions;  // each in (0, 1); empty: no split paths
   bool split_side_stream = true;      // false: a split's parts one after the other on one stream
-  UpDownForm up_down = UpDownForm::rows;  // fastest once the row-block form is measured on a GPU
 };
 class SparseFfn {
  public:
@@ -239,9 +224,8 @@ class SparseFfn {
   int64_t scratch_bytes() const;
 
  private:
-  // Paths: kTwellPath, kDensePath, kTwellBlocksPath (TwELL in the row-block form), then one split
-  // per hot fraction.
-  static constexpr int kTwellPath = 0, kDensePath = 1, kTwellBlocksPath = 2, kFirstSplitPath = 3;
+  // Paths: kTwellPath, kDensePath, then one split per hot fraction.
+  static constexpr int kTwellPath = 0, kDensePath = 1, kFirstSplitPath = 2;
   int path_count() const { return kFirstSplitPath + static_cast<int>(options_.hot_fractions.size()); }
   // Neurons a path runs densely ahead of TwELL (0 for TwELL and dense).
   int32_t hot_neurons(int path, int32_t hidden) const;
@@ -266,7 +250,6 @@ class SparseFfn {
 
   SparseFfnOptions options_;
   DeviceTwell packed_;
-  UpDownScratch up_down_;
   DenseFfn dense_;
   std::map<int64_t, std::vector<float>> timings_;  // per bucket: median ms per path, < 0 unmeasured
   double last_nnz_per_row_ = -1;  // unknown before the first TwELL call's counters arrive
@@ -276,7 +259,6 @@ class SparseFfn {
   bool recheck_density_ = false;  // a split call saw a density 2 buckets off: the next call runs TwELL
   int last_path_ = kTwellPath;
   int32_t last_hot_neurons_ = 0;
-  bool split_by_row_blocks_ = false;  // the split paths' TwELL part in the row-block form
   bool last_call_measured_ = false;
   cudaEvent_t start_ = nullptr, stop_ = nullptr;
   // The split's dense part runs here, its down GEMM after twell_done_ (TwELL's y on the caller's stream).

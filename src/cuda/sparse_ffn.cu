@@ -40,7 +40,7 @@ int64_t SparseFfn::scratch_bytes() const {
   const int64_t packed = packed_.slot_capacity * static_cast<int64_t>(sizeof(TwellSlot)) +
                          packed_.tile_capacity * static_cast<int64_t>(sizeof(int32_t)) +
                          packed_.spill_capacity * packed_.shape.tile * static_cast<int64_t>(sizeof(bf16));
-  return packed + up_down_.bytes() + dense_.scratch_bytes();
+  return packed + dense_.scratch_bytes();
 }
 
 void SparseFfn::read_counters() {
@@ -77,7 +77,6 @@ int32_t SparseFfn::hot_neurons(int path, int32_t hidden) const {
 
 bool SparseFfn::path_available(int path, int32_t hidden) const {
   if (path == kDensePath) return options_.allow_dense;
-  if (path == kTwellBlocksPath) return options_.up_down == UpDownForm::fastest;
   const int32_t hot = hot_neurons(path, hidden);
   return path == kTwellPath || (hot > 0 && hot < hidden);
 }
@@ -98,10 +97,7 @@ void SparseFfn::run_path(int path, const bf16* x, int64_t rows, const DeviceFfnV
   const DeviceFfnView sparse = weights.neurons(hot, weights.d_hidden);
   read_counters();  // also frees this call's slot
   gate_to_twell(x, rows, sparse, options_.tile, options_.compression, packed_, stream);
-  const bool row_blocks = options_.up_down == UpDownForm::row_blocks || path == kTwellBlocksPath ||
-                          (hot > 0 && split_by_row_blocks_);
-  ffn_from_twell(x, packed_, sparse, y, stream, /*accumulate=*/hot > 0 && !side_by_side,
-                 row_blocks ? &up_down_ : nullptr);
+  ffn_from_twell(x, packed_, sparse, y, stream, /*accumulate=*/hot > 0 && !side_by_side);
   if (side_by_side) {
     // TwELL first on the caller's stream: its chain (gate GEMM, then up+down) is the longer one.
     TWELL_CUDA_CHECK(cudaEventRecord(twell_done_, stream));
@@ -171,9 +167,6 @@ void SparseFfn::run(const bf16* x, int64_t rows, const DeviceFfnView& weights, b
     finish(kTwellPath, /*measured=*/true);
     return;
   }
-  // Both TwELL forms are timed before any split (paths in index order), which runs the faster.
-  split_by_row_blocks_ = options_.up_down == UpDownForm::row_blocks ||
-                         (timing[kTwellBlocksPath] >= 0 && timing[kTwellBlocksPath] < timing[kTwellPath]);
   for (int path = kDensePath; path < path_count(); ++path) {
     if (timing[path] >= 0) continue;
     if (!path_available(path, weights.d_hidden)) {

@@ -30,19 +30,6 @@ __device__ __forceinline__ float warp_sum(float value) {
   return value;
 }
 
-// Four sums in 6 shuffles instead of 20: lane l ends with the warp's sum of v[(l >> 3) & 3] (halves
-// of the warp trade the pairs they do not keep, then quarters, then a plain reduction within 8 lanes).
-__device__ __forceinline__ float warp_sum4(const float (&v)[4]) {
-  const unsigned lane = threadIdx.x % 32;
-  const bool upper16 = lane & 16, upper8 = lane & 8;
-  const float w0 = (upper16 ? v[2] : v[0]) + __shfl_xor_sync(0xffffffffu, upper16 ? v[0] : v[2], 16);
-  const float w1 = (upper16 ? v[3] : v[1]) + __shfl_xor_sync(0xffffffffu, upper16 ? v[1] : v[3], 16);
-  float sum = (upper8 ? w1 : w0) + __shfl_xor_sync(0xffffffffu, upper8 ? w0 : w1, 8);
-#pragma unroll
-  for (int offset = 4; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-  return sum;
-}
-
 // d [16, 8] += a [16, 16] · b [16, 8]: mma.sync m16n8k16, bf16 in (a row-major, b column-major
 // fragments in registers), fp32 accumulate.
 __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {

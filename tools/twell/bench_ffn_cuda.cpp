@@ -2,7 +2,6 @@
 //   dense       cuBLASLt bf16 GEMMs (cuda::DenseFfn)
 //   twell       gate GEMM -> TwELL, then the fused up+down kernel (always sparse); its record also
 //               gives each kernel's median time alone (extra gate_ms, ffn_from_twell_ms)
-//   twell_blocks the same with ffn_from_twell's row-block form (down product by blocks of rows)
 //   twell_split cuda::SparseFfn without its all-dense path: TwELL, or the neurons most often active
 //               (a fraction of H in kHotFractions) through cuBLASLt and the rest through TwELL, the
 //               fastest per call; on weights sorted by activity on calibration rows apart from the
@@ -108,12 +107,11 @@ const std::vector<double> kHotFractions = {0.125, 0.25, 0.375, 0.5};
 
 class CudaTwell : public CudaImpl {
  public:
-  enum class Kind { twell, blocks, split, automatic };
-  static constexpr Kind kKinds[] = {Kind::twell, Kind::blocks, Kind::split, Kind::automatic};
+  enum class Kind { twell, split, automatic };
+  static constexpr Kind kKinds[] = {Kind::twell, Kind::split, Kind::automatic};
   static std::string name_of(Kind kind) {
     switch (kind) {
       case Kind::twell: return "twell";
-      case Kind::blocks: return "twell_blocks";
       case Kind::split: return "twell_split";
       case Kind::automatic: return "twell_auto";
     }
@@ -123,11 +121,8 @@ class CudaTwell : public CudaImpl {
       : ffn_({.tile = options.tile,
               .compression = options.compression,
               .allow_dense = kind == Kind::automatic,
-              .hot_fractions = plain(kind) ? std::vector<double>{} : kHotFractions,
-              .split_side_stream = options.split_side_stream,
-              .up_down = kind == Kind::twell    ? cuda::UpDownForm::rows
-                         : kind == Kind::blocks ? cuda::UpDownForm::row_blocks
-                                                : cuda::UpDownForm::fastest}),
+              .hot_fractions = kind == Kind::twell ? std::vector<double>{} : kHotFractions,
+              .split_side_stream = options.split_side_stream}),
         kind_(kind),
         split_side_stream_(options.split_side_stream) {}
   std::string name() const override { return name_of(kind_); }
@@ -141,7 +136,7 @@ class CudaTwell : public CudaImpl {
   // than one density bucket: calls until 2 rounds of the input sets run without a measurement.
   int settle(int input_sets) override {
     measured_calls_ = 0;
-    if (plain(kind_)) return 0;
+    if (kind_ == Kind::twell) return 0;
     constexpr int kMaxCalls = 200;
     int calls = 0;
     for (int quiet = 0; quiet < 2 * input_sets && calls < kMaxCalls; ++calls) {
@@ -151,11 +146,11 @@ class CudaTwell : public CudaImpl {
     TWELL_REQUIRE(cudaDeviceSynchronize() == cudaSuccess, "CUDA error while the dispatch settled");
     return calls;
   }
-  // twell, twell_blocks: the two kernels of the TwELL path alone. The up+down kernel reads the packing of the input
+  // twell: the two kernels of the TwELL path alone. The up+down kernel reads the packing of the input
   // it is given, so each of its calls follows an untimed packing of the same input. The others: the
   // path the last call took.
   nlohmann::json extra_measurements(int reps) override {
-    if (!plain(kind_))
+    if (kind_ != Kind::twell)
       return {{"hot_neurons", ffn_.last_hot_neurons()},
               {"dense", ffn_.last_call_was_dense()},
               {"split_side_stream", split_side_stream_},
@@ -169,19 +164,15 @@ class CudaTwell : public CudaImpl {
     for (int i = 0; i < reps; ++i) {
       const bf16* x = inputs_[i % inputs_.size()].get();
       cuda::gate_to_twell(x, rows_, weights_, tile, compression, packed);
-      samples.push_back(timer_.time_ms([&] {
-        cuda::ffn_from_twell(x, packed, weights_, y_.get(), nullptr, false, kind_ == Kind::blocks ? &up_down_ : nullptr);
-      }));
+      samples.push_back(timer_.time_ms([&] { cuda::ffn_from_twell(x, packed, weights_, y_.get()); }));
     }
     return {{"gate_ms", gate_ms}, {"ffn_from_twell_ms", summarize_ms(samples).median_ms}};
   }
 
  private:
-  static bool plain(Kind kind) { return kind == Kind::twell || kind == Kind::blocks; }
   void run(const bf16* x) override { ffn_.run(x, rows_, weights_, y_.get()); }
-  bool sorts_neurons() const override { return !plain(kind_); }
+  bool sorts_neurons() const override { return kind_ != Kind::twell; }
   cuda::SparseFfn ffn_;
-  cuda::UpDownScratch up_down_;  // the kernels-alone timing's own
   int measured_calls_ = 0;  // warm-up and timed calls that were the dispatch's measurements
   Kind kind_;
   bool split_side_stream_;
@@ -197,7 +188,7 @@ FfnBenchDevice make_cuda_ffn_bench(const FfnBenchOptions& options) {
   for (const std::string& name : options.impls) {
     const auto* kinds = std::begin(CudaTwell::kKinds);
     TWELL_REQUIRE(std::any_of(kinds, std::end(CudaTwell::kKinds), [&](CudaTwell::Kind k) { return CudaTwell::name_of(k) == name; }),
-                  "--impl: unknown implementation '{}' (twell, twell_blocks, twell_split or twell_auto)", name);
+                  "--impl: unknown implementation '{}' (twell, twell_split or twell_auto)", name);
   }
   for (CudaTwell::Kind kind : CudaTwell::kKinds) {
     const std::string name = CudaTwell::name_of(kind);
