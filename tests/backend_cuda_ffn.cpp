@@ -112,6 +112,39 @@ TEST_F(CudaFfnFromTwell, AccumulateAddsTheFfnToY) {
   EXPECT_LT(relative_l2_error(got.data(), expected.data(), got.size()), 1e-2);
 }
 
+// DenseFfn with fuse_gate (the relu gate applied in the up GEMM's epilogue, gated_up_gemm.cu) where it
+// applies (M >= kFusedGateMinRows and not a multiple of the 128-row tile; H a multiple of 8 whose last
+// 256-column tile is partial) and where it falls back (H odd): within 1.1x of the baseline's error
+// against float64; and, as a split runs it, on views of two neuron ranges each added to y.
+TEST_F(CudaFfnFromTwell, DenseWithTheGateInTheUpEpilogueMatchesTheBaseline) {
+  for (const int32_t hidden : {1000, 1001}) {
+    SCOPED_TRACE(testing::Message() << "H " << hidden);
+    const WorkloadSpec spec{.rows = cuda::DenseFfn::kFusedGateMinRows + 77, .d_model = 320, .d_hidden = hidden,
+                            .density = 0.1, .seed = 40};
+    const test::WorkloadOnDevice d = test::upload_workload(spec);
+    const size_t count = d.work.x.size();
+    const cuda::DeviceArray<bf16> y = cuda::make_device_array<bf16>(count);
+    cuda::DenseFfn baseline, fused(/*fuse_gate=*/true);
+    ASSERT_EQ(cudaMemset(y.get(), 0xff, count * sizeof(bf16)), cudaSuccess);
+    baseline.run(d.x.get(), spec.rows, d.weights, y.get());
+    const double baseline_error = error_of(d, y);
+    ASSERT_EQ(cudaMemset(y.get(), 0xff, count * sizeof(bf16)), cudaSuccess);
+    fused.run(d.x.get(), spec.rows, d.weights, y.get());
+    const double fused_error = error_of(d, y);
+    EXPECT_LT(baseline_error, 1e-2);
+    EXPECT_LE(fused_error, 1.1 * baseline_error + 1e-6) << "baseline error " << baseline_error;
+
+    const std::vector<float> start = make_normal(count, 1.0, 41);
+    const cuda::DeviceArray<bf16> y_sum = cuda::upload_bf16(start.data(), count);
+    for (const auto& [first, end] : {std::pair{0, 504}, std::pair{504, hidden}})
+      fused.run(d.x.get(), spec.rows, d.weights.view().neurons(first, end), y_sum.get(), nullptr, {}, /*add_to_y=*/true);
+    std::vector<double> expected = d.y_ref;
+    for (size_t i = 0; i < count; ++i) expected[i] += start[i];
+    const std::vector<float> got = cuda::download_bf16(y_sum.get(), count);
+    EXPECT_LT(relative_l2_error(got.data(), expected.data(), count), 1e-2);
+  }
+}
+
 // The split paths of SparseFfn: on weights whose neurons are sorted by activity, each path the
 // dispatch times (TwELL, dense, the neurons [0, f·H) dense and the rest TwELL, for three f, the last
 // tile partial) gives the float64 FFN of the unsorted weights within bf16 tolerance, call by call.

@@ -4,7 +4,8 @@
 //                   GEMM's epilogue: no dense [M, H] gate ever reaches global memory.
 //   ffn_from_twell  y = Σ_j g_j·(x·Wu[j])·Wd[j] over the packed non-zeros (gated), or Σ_j g_j·Wd[j]
 //                   (non-gated); fp32 accumulation, y written once as bf16.
-//   DenseFfn        the baseline: cuBLASLt bf16 GEMMs (ReLU fused into the gate GEMM's epilogue).
+//   DenseFfn        the baseline: cuBLASLt bf16 GEMMs and one elementwise kernel for act(g) ⊙ u; with
+//                   fuse_gate, the relu gate applied in the up GEMM's epilogue instead (SparseFfn's).
 //   SparseFfn       the FFN a model calls: picks TwELL or dense per call (rule in SparseFfn below).
 //
 // All pointers named x, y are device pointers to bf16 [M, D], row-major. Every op is asynchronous on
@@ -154,7 +155,12 @@ struct GateActivation {
 };
 class DenseFfn {
  public:
-  DenseFfn();
+  // fuse_gate: with a relu gate (H and D multiples of 8, M >= kFusedGateMinRows), the up GEMM applies
+  // the gate in its epilogue (twell's CUTLASS kernel: h = relu(g) ⊙ (x·Wu^T)) instead of cuBLASLt's
+  // up GEMM and an elementwise pass over g, u and h. SparseFfn's dense parts use it; the baseline
+  // does not (cuBLASLt has no such epilogue).
+  static constexpr int64_t kFusedGateMinRows = 1024;
+  explicit DenseFfn(bool fuse_gate = false);
   ~DenseFfn();
   DenseFfn(DenseFfn&&) noexcept;
   DenseFfn& operator=(DenseFfn&&) noexcept;
@@ -250,7 +256,7 @@ class SparseFfn {
 
   SparseFfnOptions options_;
   DeviceTwell packed_;
-  DenseFfn dense_;
+  DenseFfn dense_{/*fuse_gate=*/true};  // the dense path and a split's dense part
   std::map<int64_t, std::vector<float>> timings_;  // per bucket: median ms per path, < 0 unmeasured
   double last_nnz_per_row_ = -1;  // unknown before the first TwELL call's counters arrive
   int64_t current_bucket_ = 0;    // of the call being issued

@@ -328,7 +328,7 @@ void add_bench_ffn(CLI::App& bench) {
   command->add_flag("!--split-one-stream", options->split_side_stream,
                     "cuda: a split's dense and TwELL parts one after the other on one stream (default: side by side)");
   command->add_option("--impl", options->impls,
-                      "cuda: implementations timed besides dense (twell, twell_split, twell_auto; "
+                      "cuda: implementations timed besides dense (dense_fused, twell, twell_split, twell_auto; "
                       "default all)")
       ->delimiter(',');
   command->add_option("--threads", options->threads, "CPU threads, 0 = all cores")->capture_default_str();

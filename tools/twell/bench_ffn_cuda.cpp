@@ -1,5 +1,7 @@
 // `twell bench ffn --device cuda`: the CUDA implementations the driver (bench_ffn.cpp) times.
-//   dense       cuBLASLt bf16 GEMMs (cuda::DenseFfn)
+//   dense       cuBLASLt bf16 GEMMs (cuda::DenseFfn), the baseline of every ratio
+//   dense_fused cuda::DenseFfn with the relu gate in the up GEMM's epilogue (fuse_gate), as
+//               SparseFfn's dense path and split parts run it
 //   twell       gate GEMM -> TwELL, then the fused up+down kernel (always sparse); its record also
 //               gives each kernel's median time alone (extra gate_ms, ffn_from_twell_ms)
 //   twell_split cuda::SparseFfn without its all-dense path: TwELL, or the neurons most often active
@@ -16,7 +18,6 @@
 #if defined(TWELL_HAVE_CUDA)
 
 #include <algorithm>
-#include <iterator>
 #include <memory>
 #include <string>
 #include <vector>
@@ -94,12 +95,14 @@ class CudaImpl : public FfnBenchImpl {
 
 class CudaDense : public CudaImpl {
  public:
-  std::string name() const override { return "dense"; }
+  explicit CudaDense(bool fuse_gate) : dense_(fuse_gate), fuse_gate_(fuse_gate) {}
+  std::string name() const override { return fuse_gate_ ? "dense_fused" : "dense"; }
   int64_t peak_bytes() const override { return dense_.scratch_bytes(); }
 
  private:
   void run(const bf16* x) override { dense_.run(x, rows_, weights_, y_.get()); }
   cuda::DenseFfn dense_;
+  bool fuse_gate_;
 };
 
 // Split paths tried by twell_split and twell_auto: these fractions of H run densely.
@@ -184,16 +187,17 @@ FfnBenchDevice make_cuda_ffn_bench(const FfnBenchOptions& options) {
   TWELL_REQUIRE(cuda::available(), "--device cuda: no CUDA device is available");
   FfnBenchDevice device;
   device.model = cuda::device_name();
-  device.impls.push_back(std::make_unique<CudaDense>());
-  for (const std::string& name : options.impls) {
-    const auto* kinds = std::begin(CudaTwell::kKinds);
-    TWELL_REQUIRE(std::any_of(kinds, std::end(CudaTwell::kKinds), [&](CudaTwell::Kind k) { return CudaTwell::name_of(k) == name; }),
-                  "--impl: unknown implementation '{}' (twell, twell_split or twell_auto)", name);
-  }
-  for (CudaTwell::Kind kind : CudaTwell::kKinds) {
-    const std::string name = CudaTwell::name_of(kind);
+  device.impls.push_back(std::make_unique<CudaDense>(/*fuse_gate=*/false));
+  std::vector<std::unique_ptr<FfnBenchImpl>> others;
+  others.push_back(std::make_unique<CudaDense>(/*fuse_gate=*/true));
+  for (CudaTwell::Kind kind : CudaTwell::kKinds) others.push_back(std::make_unique<CudaTwell>(options, kind));
+  for (const std::string& name : options.impls)
+    TWELL_REQUIRE(std::any_of(others.begin(), others.end(), [&](const auto& impl) { return impl->name() == name; }),
+                  "--impl: unknown implementation '{}' (dense_fused, twell, twell_split or twell_auto)", name);
+  for (auto& impl : others) {
+    const std::string name = impl->name();
     if (options.impls.empty() || std::find(options.impls.begin(), options.impls.end(), name) != options.impls.end())
-      device.impls.push_back(std::make_unique<CudaTwell>(options, kind));
+      device.impls.push_back(std::move(impl));
   }
   return device;
 }
