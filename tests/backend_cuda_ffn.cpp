@@ -119,7 +119,7 @@ TEST_F(CudaFfnFromTwell, AccumulateAddsTheFfnToY) {
 TEST_F(CudaFfnFromTwell, DenseWithTheGateInTheUpEpilogueMatchesTheBaseline) {
   for (const int32_t hidden : {1000, 1001}) {
     SCOPED_TRACE(testing::Message() << "H " << hidden);
-    const WorkloadSpec spec{.rows = cuda::DenseFfn::kFusedGateMinRows + 77, .d_model = 320, .d_hidden = hidden,
+    const WorkloadSpec spec{.rows = cuda::DenseFfn::kFusedGateMinRows + 77, .d_model = 192, .d_hidden = hidden,
                             .density = 0.1, .seed = 40};
     const test::WorkloadOnDevice d = test::upload_workload(spec);
     const size_t count = d.work.x.size();
