@@ -12,6 +12,7 @@
 #include <cutlass/epilogue/collective/detail.hpp>
 
 #include "cuda/cuda_utils.h"
+#include "cuda/cutlass_run.cuh"
 #include "cuda/twell_pack_epilogue.cuh"
 #include "twell/cuda.h"
 
@@ -53,17 +54,8 @@ void launch_gate_to_twell(const bf16* x, int64_t rows, const bf16* weight, int32
       {reinterpret_cast<const Element*>(x), {k, cute::Int<1>{}, k * m},
        reinterpret_cast<const Element*>(weight), {k, cute::Int<1>{}, k * out.cols}},
       out};
-  const DeviceFacts& facts = device_facts();
-  args.hw_info.device_id = facts.device;
-  args.hw_info.sm_count = facts.sm_count;
-  Gemm gemm;
-  TWELL_REQUIRE(Gemm::get_workspace_size(args) == 0, "gate_to_twell: the CUTLASS kernel asks for a workspace");
-  TWELL_REQUIRE(gemm.can_implement(args) == cutlass::Status::kSuccess,
-                "gate_to_twell: CUTLASS cannot run M={} D={} H={} with S={}", m, d_model, out.cols, out.slots_per_tile);
-  TWELL_REQUIRE(gemm.initialize(args, nullptr, stream) == cutlass::Status::kSuccess,
-                "gate_to_twell: CUTLASS kernel initialization failed");
-  TWELL_REQUIRE(gemm.run(stream) == cutlass::Status::kSuccess, "gate_to_twell: CUTLASS kernel launch failed");
-  TWELL_CUDA_CHECK_LAUNCH();
+  run_cutlass_gemm<Gemm>(args, "gate_to_twell",
+                         fmt::format("M={} D={} H={} with S={}", m, d_model, out.cols, out.slots_per_tile), stream);
 }
 
 }  // namespace

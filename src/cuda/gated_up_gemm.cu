@@ -13,6 +13,7 @@
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
 #include "cuda/cuda_utils.h"
+#include "cuda/cutlass_run.cuh"
 #include "cuda/gated_up_gemm.h"
 
 namespace twell::cuda {
@@ -71,17 +72,7 @@ void relu_gated_up_gemm(const bf16* x, int64_t rows, const bf16* w_up, int64_t h
                                 {{}, reinterpret_cast<const Element*>(gate), stride_h,
                                  reinterpret_cast<Element*>(h), stride_h}};
   args.epilogue.thread = {{{}, {}}, {}, {}};  // {relu(C): {C, relu}, acc, multiplies}
-  const DeviceFacts& facts = device_facts();
-  args.hw_info.device_id = facts.device;
-  args.hw_info.sm_count = facts.sm_count;
-  Gemm gemm;
-  TWELL_REQUIRE(Gemm::get_workspace_size(args) == 0, "relu_gated_up_gemm: the CUTLASS kernel asks for a workspace");
-  TWELL_REQUIRE(gemm.can_implement(args) == cutlass::Status::kSuccess,
-                "relu_gated_up_gemm: CUTLASS cannot run M={} H={} D={}", m, n, k);
-  TWELL_REQUIRE(gemm.initialize(args, nullptr, stream) == cutlass::Status::kSuccess,
-                "relu_gated_up_gemm: CUTLASS kernel initialization failed");
-  TWELL_REQUIRE(gemm.run(stream) == cutlass::Status::kSuccess, "relu_gated_up_gemm: CUTLASS kernel launch failed");
-  TWELL_CUDA_CHECK_LAUNCH();
+  run_cutlass_gemm<Gemm>(args, "relu_gated_up_gemm", fmt::format("M={} H={} D={}", m, n, k), stream);
 }
 
 }  // namespace twell::cuda
