@@ -83,6 +83,28 @@ cuda::DeviceArray<bf16> poisoned_y(int64_t rows, int32_t d_model) {
 
 std::string cuda_skip_reason() { return cuda::available() ? "" : "no CUDA device is available"; }
 
+// cuda::DenseFfn on the padded shapes.
+void dense_ffn_padded(const float* x, int64_t rows, const FfnWeights& weights, float* y, int64_t fuse_gate_from_rows) {
+  const cuda::DeviceFfnWeights device_weights = cuda::upload_weights(pad_weights(weights));
+  const cuda::DeviceArray<bf16> device_x = upload_x(x, rows, weights.d_model);
+  const cuda::DeviceArray<bf16> device_y = poisoned_y(rows, weights.d_model);
+  cuda::DenseFfn dense(fuse_gate_from_rows);
+  dense.run(device_x.get(), rows, device_weights, device_y.get());
+  download_y(device_y.get(), rows, weights.d_model, y);
+}
+
+// cuda::DenseFfn with the relu gate applied in the up GEMM's epilogue (gated_up_gemm.cu) at every M,
+// not only from kFusedGateMinRows rows as SparseFfn runs it; H not a multiple of 8 falls back.
+const bool registered_fused_gate = test::register_backend({
+    .name = "cuda_fused_gate",
+    .skip_reason = cuda_skip_reason,
+    .precision = {.hidden_bf16 = true, .output_bf16 = true},
+    .ffn_dense =
+        [](const float* x, int64_t rows, const FfnWeights& weights, float* y) {
+          dense_ffn_padded(x, rows, weights, y, /*fuse_gate_from_rows=*/1);
+        },
+});
+
 const bool registered = test::register_backend({
     .name = "cuda",
     .skip_reason = cuda_skip_reason,
@@ -110,12 +132,7 @@ const bool registered = test::register_backend({
         },
     .ffn_dense =
         [](const float* x, int64_t rows, const FfnWeights& weights, float* y) {
-          const cuda::DeviceFfnWeights device_weights = cuda::upload_weights(pad_weights(weights));
-          const cuda::DeviceArray<bf16> device_x = upload_x(x, rows, weights.d_model);
-          const cuda::DeviceArray<bf16> device_y = poisoned_y(rows, weights.d_model);
-          cuda::DenseFfn dense;
-          dense.run(device_x.get(), rows, device_weights, device_y.get());
-          download_y(device_y.get(), rows, weights.d_model, y);
+          dense_ffn_padded(x, rows, weights, y, cuda::DenseFfn::kNeverFused);
         },
     // Not padded like the ops above: zero columns would change the sign-bit predictions.
     .decode_ffn =

@@ -112,7 +112,7 @@ TEST_F(CudaFfnFromTwell, AccumulateAddsTheFfnToY) {
   EXPECT_LT(relative_l2_error(got.data(), expected.data(), got.size()), 1e-2);
 }
 
-// DenseFfn with fuse_gate (the relu gate applied in the up GEMM's epilogue, gated_up_gemm.cu) where it
+// DenseFfn fusing from kFusedGateMinRows (the relu gate applied in the up GEMM's epilogue, gated_up_gemm.cu) where it
 // applies (M >= kFusedGateMinRows and not a multiple of the 128-row tile; H a multiple of 8 whose last
 // 256-column tile is partial) and where it falls back (H odd): within 1.1x of the baseline's error
 // against float64; and, as a split runs it, on views of two neuron ranges each added to y.
@@ -124,7 +124,7 @@ TEST_F(CudaFfnFromTwell, DenseWithTheGateInTheUpEpilogueMatchesTheBaseline) {
     const test::WorkloadOnDevice d = test::upload_workload(spec);
     const size_t count = d.work.x.size();
     const cuda::DeviceArray<bf16> y = cuda::make_device_array<bf16>(count);
-    cuda::DenseFfn baseline, fused(/*fuse_gate=*/true);
+    cuda::DenseFfn baseline, fused(cuda::DenseFfn::kFusedGateMinRows);
     ASSERT_EQ(cudaMemset(y.get(), 0xff, count * sizeof(bf16)), cudaSuccess);
     baseline.run(d.x.get(), spec.rows, d.weights, y.get());
     const double baseline_error = error_of(d, y);

@@ -4,8 +4,8 @@
 //                   GEMM's epilogue: no dense [M, H] gate ever reaches global memory.
 //   ffn_from_twell  y = Σ_j g_j·(x·Wu[j])·Wd[j] over the packed non-zeros (gated), or Σ_j g_j·Wd[j]
 //                   (non-gated); fp32 accumulation, y written once as bf16.
-//   DenseFfn        the baseline: cuBLASLt bf16 GEMMs and one elementwise kernel for act(g) ⊙ u; with
-//                   fuse_gate, the relu gate applied in the up GEMM's epilogue instead (SparseFfn's).
+//   DenseFfn        the baseline: cuBLASLt bf16 GEMMs and one elementwise kernel for act(g) ⊙ u; or,
+//                   as SparseFfn runs it, the relu gate applied in the up GEMM's epilogue instead.
 //   SparseFfn       the FFN a model calls: picks TwELL or dense per call (rule in SparseFfn below).
 //
 // All pointers named x, y are device pointers to bf16 [M, D], row-major. Every op is asynchronous on
@@ -155,13 +155,16 @@ struct GateActivation {
 };
 class DenseFfn {
  public:
-  // fuse_gate: with a relu gate (H and D multiples of 8, M >= kFusedGateMinRows), the up GEMM applies
-  // the gate in its epilogue (twell's CUTLASS kernel: h = relu(g) ⊙ (x·Wu^T)) instead of cuBLASLt's
-  // up GEMM and an elementwise pass over g, u and h. SparseFfn's dense parts use it; the baseline
-  // does not (cuBLASLt has no such epilogue). The whole dense FFN at D = 2048, H = 5632 on an H100:
-  // 0.95x the baseline at M = 1024, 1.05x at 4096, 1.06x at 16384 (docs/perf-notes.md).
+  // fuse_gate_from_rows: calls of at least this many rows with a relu gate (H and D multiples of 8)
+  // apply the gate in the up GEMM's epilogue (twell's CUTLASS kernel: h = relu(g) ⊙ (x·Wu^T)) instead
+  // of cuBLASLt's up GEMM and an elementwise pass over g, u and h. The baseline never does (cuBLASLt
+  // has no such epilogue); SparseFfn's dense parts do from kFusedGateMinRows: the whole dense FFN at
+  // D = 2048, H = 5632 on an H100 is 0.95x the baseline at M = 1024, 1.05x at 4096, 1.06x at 16384
+  // (docs/perf-notes.md).
   static constexpr int64_t kFusedGateMinRows = 4096;
-  explicit DenseFfn(bool fuse_gate = false);
+  static constexpr int64_t kNeverFused = INT64_MAX;
+  explicit DenseFfn(int64_t fuse_gate_from_rows = kNeverFused);
+  DenseFfn(bool) = delete;  // a row count, not a switch
   ~DenseFfn();
   DenseFfn(DenseFfn&&) noexcept;
   DenseFfn& operator=(DenseFfn&&) noexcept;
@@ -257,7 +260,7 @@ class SparseFfn {
 
   SparseFfnOptions options_;
   DeviceTwell packed_;
-  DenseFfn dense_{/*fuse_gate=*/true};  // the dense path and a split's dense part
+  DenseFfn dense_{DenseFfn::kFusedGateMinRows};  // the dense path and a split's dense part
   std::map<int64_t, std::vector<float>> timings_;  // per bucket: median ms per path, < 0 unmeasured
   double last_nnz_per_row_ = -1;  // unknown before the first TwELL call's counters arrive
   int64_t current_bucket_ = 0;    // of the call being issued

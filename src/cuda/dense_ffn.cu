@@ -4,7 +4,7 @@
 //   h = act(g) ⊙ u    (one elementwise kernel, in place in u) [M, H]
 //   y = h·Wd                                                 [M, D]
 // Non-gated: u = relu(x·Wu^T) (ReLU fused in the GEMM epilogue), y = u·Wd.
-// With fuse_gate (cuda.h), a relu gate goes into the up GEMM's epilogue (gated_up_gemm.h):
+// From fuse_gate_from_rows rows on (cuda.h), a relu gate goes into the up GEMM's epilogue (gated_up_gemm.h):
 //   g = x·Wg^T,  h = relu(g) ⊙ (x·Wu^T),  y = h·Wd.
 // The activation sits in the elementwise kernel rather than the gate GEMM's epilogue: that kernel
 // reads g anyway, so relu costs nothing there, and silu / fatrelu need it.
@@ -43,31 +43,22 @@ __global__ void activate_multiply_kernel(const __nv_bfloat16* gate, __nv_bfloat1
                                         __bfloat162float(up[count - 1]));
 }
 
-// h = act(g) ⊙ u (gated) or relu(u) into `up`, by cuBLASLt GEMMs and the elementwise kernel.
-void unfused_hidden(RowMajorGemm& gemm, const bf16* x, int64_t rows, const DeviceFfnView& weights,
-                    GateActivation activation, DeviceBuffer<bf16>& gate, DeviceBuffer<bf16>& up, cudaStream_t stream) {
-  const int64_t d = weights.d_model, h = weights.d_hidden;
-  const int64_t hidden_count = rows * h;
-  gemm.run(rows, h, d, {x, d, false}, {weights.up, d, true}, up.data(), h, GemmOutput::bf16, 0.0f, stream,
-           weights.gated ? GemmEpilogue::none : GemmEpilogue::relu);
-  if (!weights.gated) return;
-  gate.resize(hidden_count);
-  gemm.run(rows, h, d, {x, d, false}, {weights.gate, d, true}, gate.data(), h, GemmOutput::bf16, 0.0f, stream);
+// u = act(g) ⊙ u in place, one elementwise pass.
+void activate_multiply(const bf16* gate, bf16* up, int64_t count, GateActivation activation, cudaStream_t stream) {
   const int threads = 256;
-  const auto blocks = static_cast<unsigned>(std::min<int64_t>((hidden_count / 2 + threads - 1) / threads + 1,
-                                                              int64_t{device_facts().sm_count} * 16));
-  const auto* g = reinterpret_cast<const __nv_bfloat16*>(gate.data());
-  auto* u = reinterpret_cast<__nv_bfloat16*>(up.data());
+  const auto blocks = static_cast<unsigned>(
+      std::min<int64_t>((count / 2 + threads - 1) / threads + 1, int64_t{device_facts().sm_count} * 16));
+  const auto* g = reinterpret_cast<const __nv_bfloat16*>(gate);
+  auto* u = reinterpret_cast<__nv_bfloat16*>(up);
   switch (activation.kind) {
     case FfnActivation::relu:
-      activate_multiply_kernel<FfnActivation::relu><<<blocks, threads, 0, stream>>>(g, u, hidden_count, 0.0f);
+      activate_multiply_kernel<FfnActivation::relu><<<blocks, threads, 0, stream>>>(g, u, count, 0.0f);
       break;
     case FfnActivation::fatrelu:
-      activate_multiply_kernel<FfnActivation::fatrelu>
-          <<<blocks, threads, 0, stream>>>(g, u, hidden_count, activation.threshold);
+      activate_multiply_kernel<FfnActivation::fatrelu><<<blocks, threads, 0, stream>>>(g, u, count, activation.threshold);
       break;
     case FfnActivation::silu:
-      activate_multiply_kernel<FfnActivation::silu><<<blocks, threads, 0, stream>>>(g, u, hidden_count, 0.0f);
+      activate_multiply_kernel<FfnActivation::silu><<<blocks, threads, 0, stream>>>(g, u, count, 0.0f);
       break;
   }
   TWELL_CUDA_CHECK_LAUNCH();
@@ -76,13 +67,15 @@ void unfused_hidden(RowMajorGemm& gemm, const bf16* x, int64_t rows, const Devic
 }  // namespace
 
 struct DenseFfn::Impl {
-  bool fuse_gate = false;
+  int64_t fuse_gate_from_rows = kNeverFused;
   RowMajorGemm gemm;
   DeviceBuffer<bf16> gate;  // [M, H]
   DeviceBuffer<bf16> up;    // [M, H], then h
 };
 
-DenseFfn::DenseFfn(bool fuse_gate) : impl_(std::make_unique<Impl>()) { impl_->fuse_gate = fuse_gate; }
+DenseFfn::DenseFfn(int64_t fuse_gate_from_rows) : impl_(std::make_unique<Impl>()) {
+  impl_->fuse_gate_from_rows = fuse_gate_from_rows;
+}
 DenseFfn::~DenseFfn() = default;
 DenseFfn::DenseFfn(DenseFfn&&) noexcept = default;
 DenseFfn& DenseFfn::operator=(DenseFfn&&) noexcept = default;
@@ -97,16 +90,21 @@ void DenseFfn::run(const bf16* x, int64_t rows, const DeviceFfnView& weights, bf
   TWELL_REQUIRE(weights.gated || activation.kind == FfnActivation::relu,
                 "DenseFfn: a non-gated FFN takes relu only");
   const int64_t d = weights.d_model, h = weights.d_hidden;
-  impl_->up.resize(rows * h);
+  const int64_t hidden_count = rows * h;
+  impl_->up.resize(hidden_count);
   RowMajorGemm& gemm = impl_->gemm;
-  if (impl_->fuse_gate && weights.gated && activation.kind == FfnActivation::relu && rows >= kFusedGateMinRows &&
-      relu_gated_up_supported(h, d)) {
-    impl_->gate.resize(rows * h);
+  if (weights.gated) {
+    impl_->gate.resize(hidden_count);
     gemm.run(rows, h, d, {x, d, false}, {weights.gate, d, true}, impl_->gate.data(), h, GemmOutput::bf16, 0.0f,
              stream);
+  }
+  if (weights.gated && activation.kind == FfnActivation::relu && rows >= impl_->fuse_gate_from_rows &&
+      relu_gated_up_supported(h, d)) {
     relu_gated_up_gemm(x, rows, weights.up, h, d, impl_->gate.data(), impl_->up.data(), stream);
   } else {
-    unfused_hidden(gemm, x, rows, weights, activation, impl_->gate, impl_->up, stream);
+    gemm.run(rows, h, d, {x, d, false}, {weights.up, d, true}, impl_->up.data(), h, GemmOutput::bf16, 0.0f, stream,
+             weights.gated ? GemmEpilogue::none : GemmEpilogue::relu);
+    if (weights.gated) activate_multiply(impl_->gate.data(), impl_->up.data(), hidden_count, activation, stream);
   }
   // y [M, D] (+)= h [M, H] · Wd [H, D]
   if (y_ready) TWELL_CUDA_CHECK(cudaStreamWaitEvent(stream, y_ready));

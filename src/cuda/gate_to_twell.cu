@@ -54,8 +54,9 @@ void launch_gate_to_twell(const bf16* x, int64_t rows, const bf16* weight, int32
       {reinterpret_cast<const Element*>(x), {k, cute::Int<1>{}, k * m},
        reinterpret_cast<const Element*>(weight), {k, cute::Int<1>{}, k * out.cols}},
       out};
-  run_cutlass_gemm<Gemm>(args, "gate_to_twell",
-                         fmt::format("M={} D={} H={} with S={}", m, d_model, out.cols, out.slots_per_tile), stream);
+  run_cutlass_gemm<Gemm>(
+      args, "gate_to_twell",
+      [&] { return fmt::format("M={} D={} H={} with S={}", m, d_model, out.cols, out.slots_per_tile); }, stream);
 }
 
 }  // namespace

@@ -72,7 +72,7 @@ void relu_gated_up_gemm(const bf16* x, int64_t rows, const bf16* w_up, int64_t h
                                 {{}, reinterpret_cast<const Element*>(gate), stride_h,
                                  reinterpret_cast<Element*>(h), stride_h}};
   args.epilogue.thread = {{{}, {}}, {}, {}};  // {relu(C): {C, relu}, acc, multiplies}
-  run_cutlass_gemm<Gemm>(args, "relu_gated_up_gemm", fmt::format("M={} H={} D={}", m, n, k), stream);
+  run_cutlass_gemm<Gemm>(args, "relu_gated_up_gemm", [&] { return fmt::format("M={} H={} D={}", m, n, k); }, stream);
 }
 
 }  // namespace twell::cuda

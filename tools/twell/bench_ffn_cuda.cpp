@@ -1,7 +1,7 @@
 // `twell bench ffn --device cuda`: the CUDA implementations the driver (bench_ffn.cpp) times.
 //   dense       cuBLASLt bf16 GEMMs (cuda::DenseFfn), the baseline of every ratio
-//   dense_fused cuda::DenseFfn with the relu gate in the up GEMM's epilogue (fuse_gate), as
-//               SparseFfn's dense path and split parts run it
+//   dense_fused cuda::DenseFfn with the relu gate in the up GEMM's epilogue from kFusedGateMinRows
+//               rows on, as SparseFfn's dense path and split parts run it
 //   twell       gate GEMM -> TwELL, then the fused up+down kernel (always sparse); its record also
 //               gives each kernel's median time alone (extra gate_ms, ffn_from_twell_ms)
 //   twell_split cuda::SparseFfn without its all-dense path: TwELL, or the neurons most often active
@@ -95,7 +95,8 @@ class CudaImpl : public FfnBenchImpl {
 
 class CudaDense : public CudaImpl {
  public:
-  explicit CudaDense(bool fuse_gate) : dense_(fuse_gate), fuse_gate_(fuse_gate) {}
+  explicit CudaDense(bool fuse_gate)
+      : dense_(fuse_gate ? cuda::DenseFfn::kFusedGateMinRows : cuda::DenseFfn::kNeverFused), fuse_gate_(fuse_gate) {}
   std::string name() const override { return fuse_gate_ ? "dense_fused" : "dense"; }
   int64_t peak_bytes() const override { return dense_.scratch_bytes(); }
 
