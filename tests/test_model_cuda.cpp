@@ -3,7 +3,9 @@
 // sequences, CUDA-graph decode steps. Skipped where no GPU is present (one test checks the refusal).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
 
 #include "cuda_test_support.h"
 #include "model_fixtures.h"
@@ -200,6 +202,54 @@ TEST_F(CudaModelTest, SyntheticModelMatchesCpu) {
       EXPECT_LT(error, kLogitTolerance) << "head_dim " << head_dim << ", " << what;
     }
   }
+}
+
+// A CudaModel built from a model whose FFN neurons are ordered by activity also times split paths
+// (the most active neurons densely beside TwELL). Its dispatch runs every path in the first
+// forwards (its timing runs), and each forward must give the CPU's logits.
+TEST_F(CudaModelTest, OrderedNeuronsSplitPathsMatchCpu) {
+  ModelConfig config = synthetic_model_config("tiny");
+  config.d_hidden = 1024;  // every split fraction (1/8 .. 1/2) a whole number of TwELL tiles
+  Model host(config, make_synthetic_weights(config, 0.05, 13));
+  std::vector<int32_t> prompt(300);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>((37 * i + 11) % config.vocab_size);
+  host.order_neurons_by_activity(prompt);
+  host.set_ffn_path(FfnPath::twell);
+  const auto n = static_cast<int32_t>(prompt.size());
+  std::vector<float> cpu_logits(static_cast<size_t>(n) * config.vocab_size), gpu_logits(cpu_logits.size());
+  KvCache cache = host.new_cache(n);
+  host.forward(prompt.data(), n, cache, cpu_logits.data(), true);
+
+  cuda::CudaModel gpu(host);
+  gpu.set_ffn_path(FfnPath::twell);
+  cuda::CudaModel::FfnCalls calls;
+  double worst = 0;
+  for (int pass = 0; pass < 30; ++pass) {  // 2 layers a pass; the dispatch times 6 paths, 6 calls each
+    gpu.reset(1, n);
+    std::fill(gpu_logits.begin(), gpu_logits.end(), NAN);
+    gpu.forward(prompt.data(), n, gpu_logits.data(), true);
+    const double error = relative_l2(gpu_logits.data(), cpu_logits);
+    EXPECT_LT(error, kLogitTolerance) << "pass " << pass;
+    worst = std::max(worst, error);
+    const cuda::CudaModel::FfnCalls pass_calls = gpu.sparse_ffn_calls();
+    calls.twell += pass_calls.twell;
+    calls.dense += pass_calls.dense;
+    calls.split += pass_calls.split;
+    calls.measured += pass_calls.measured;
+  }
+  std::printf("[ ordered neurons ] worst logits relative L2, CUDA vs CPU: %.3g; FFN calls: %lld TwELL (%lld splits), "
+              "%lld dense, %lld timing runs\n",
+              worst, static_cast<long long>(calls.twell), static_cast<long long>(calls.split),
+              static_cast<long long>(calls.dense), static_cast<long long>(calls.measured));
+  EXPECT_GT(calls.split, 0);  // the split paths ran (their timing runs at least) and were checked
+
+  // A host ordered after the GPU copy was made no longer matches it: its sign bits are refused.
+  Model late(config, make_synthetic_weights(config, 0.05, 13));
+  cuda::CudaModel built_before(late);
+  late.order_neurons_by_activity(prompt);
+  late.set_ffn_path(FfnPath::predict);
+  built_before.set_ffn_path(FfnPath::predict);
+  EXPECT_THROW(built_before.set_predictor(late), Error);
 }
 
 TEST_F(CudaModelTest, RefusesBadInput) {

@@ -216,6 +216,11 @@ struct SparseFfnOptions {
   bool allow_dense = true;  // false: never the all-dense path (benchmarks of the kernels themselves)
   std::vector<double> hot_fractions;  // each in (0, 1); empty: no split paths
   bool split_side_stream = true;      // false: a split's parts one after the other on one stream
+
+  // The split fractions timed on weights whose neurons are sorted by activity (twell bench ffn's
+  // twell_split and twell_auto, a CudaModel built from an ordered Model); docs/perf-notes.md has
+  // which one the dispatch takes per (M, density).
+  static inline const std::vector<double> kSortedNeuronHotFractions = {0.125, 0.25, 0.375, 0.5};
 };
 class SparseFfn {
  public:

@@ -146,6 +146,16 @@ class Model {
   // Each layer's FFN input [tokens, D] when `tokens` run from position 0 on the exact (dense) path:
   // what the predictor sees. The model's path, observer and predictor are left as they were.
   std::vector<std::vector<float>> ffn_inputs(const std::vector<int32_t>& tokens);
+  // Puts each layer's FFN neurons (rows of gate, up and down alike) in decreasing order of how many
+  // of `tokens` activate them (the dense path's activations, sort_neurons_by_activity): the model
+  // computes the same function, and the neurons active for many tokens form a prefix that the CUDA
+  // twell path can run densely beside TwELL (cuda::SparseFfnOptions::hot_fractions; a CudaModel
+  // built from an ordered model times those split paths too). Sign bits the predict path holds are
+  // packed again. Once per model (a second order would leave a CudaModel built in between with other
+  // weights than the host's sign bits); needs a relu-sparse FFN. Returns each layer's counts, in the
+  // new order.
+  std::vector<std::vector<int64_t>> order_neurons_by_activity(const std::vector<int32_t>& tokens);
+  bool neurons_ordered_by_activity() const { return neurons_ordered_; }
   void set_activation_observer(ActivationObserver observer) { observer_ = std::move(observer); }
 
   KvCache new_cache(int32_t capacity) const;
@@ -164,6 +174,7 @@ class Model {
   std::vector<SignBits> relu_signs_;  // per layer, built when the predict path is chosen
   std::vector<LayerPredictor> predictors_;
   ActivationObserver observer_;
+  bool neurons_ordered_ = false;
   std::vector<std::vector<float>>* capture_ffn_inputs_ = nullptr;  // per layer [rows, D], while calibrating
   std::unique_ptr<Workspace> workspace_;
 };

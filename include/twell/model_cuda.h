@@ -33,7 +33,9 @@ struct CudaModelOptions {
 class CudaModel {
  public:
   // Uploads the weights of `host` as bf16 (norms and biases fp32). Synchronous. Throws a
-  // twell::Error without a GPU, or when a shape is one the kernels do not take (named).
+  // twell::Error without a GPU, or when a shape is one the kernels do not take (named). When the
+  // host's neurons are ordered by activity (Model::order_neurons_by_activity), the twell path's
+  // SparseFfn also times split paths (SparseFfnOptions::kSortedNeuronHotFractions).
   explicit CudaModel(const Model& host, CudaModelOptions options = {});
   ~CudaModel();
   CudaModel(const CudaModel&) = delete;
@@ -50,9 +52,11 @@ class CudaModel {
   void set_decode_graphs(bool enabled);
   // twell path: let SparseFfn run dense where that is faster (true), or always TwELL (false).
   void set_ffn_dispatch(bool enabled);
-  // FFN calls of the twell path (and of predict steps over 16 rows) since reset(), by what they ran.
+  // FFN calls of the twell path (and of predict steps over 16 rows) since reset(), by what they ran:
+  // TwELL (split among them: its hot neurons densely beside it) or dense; measured: how many were
+  // SparseFfn's own timing runs rather than its choice (a benchmark warms up until none are).
   struct FfnCalls {
-    int64_t twell = 0, dense = 0;
+    int64_t twell = 0, dense = 0, split = 0, measured = 0;
   };
   FfnCalls sparse_ffn_calls() const;
 

@@ -47,6 +47,7 @@ struct CudaModel::Impl {
   CudaModelOptions options;
   FfnPath path = FfnPath::dense;
   std::vector<PredictorConfig> predictors;
+  bool neurons_ordered = false;  // the host's FFN neurons were ordered by activity: SparseFfn times splits
 
   DeviceArray<bf16> embedding;  // [V, D]
   DeviceArray<bf16> lm_head;    // [V, D], null when tied
@@ -85,6 +86,12 @@ struct CudaModel::Impl {
   int64_t dense_decode_bytes = 0;
   int64_t replays = 0;
   FfnCalls sparse_calls;
+
+  std::unique_ptr<SparseFfn> make_sparse() const {
+    return std::make_unique<SparseFfn>(SparseFfnOptions{
+        .allow_dense = options.ffn_dispatch,
+        .hot_fractions = neurons_ordered ? SparseFfnOptions::kSortedNeuronHotFractions : std::vector<double>{}});
+  }
 
   int64_t q_dim() const { return int64_t{config.n_heads} * config.head_dim; }
   int64_t kv_dim() const { return int64_t{config.n_kv_heads} * config.head_dim; }
@@ -136,6 +143,8 @@ struct CudaModel::Impl {
     else {
       sparse->run(normed.data(), rows, layer.ffn, ffn_out.data(), stream);
       ++(sparse->last_call_was_dense() ? sparse_calls.dense : sparse_calls.twell);
+      if (sparse->last_hot_neurons() > 0) ++sparse_calls.split;
+      if (sparse->last_call_measured()) ++sparse_calls.measured;
     }
     mk::add_residual(hidden.data(), ffn_out.data(), count, stream);
   }
@@ -266,6 +275,7 @@ CudaModel::CudaModel(const Model& host, CudaModelOptions options) : impl_((requi
   Impl& m = *impl_;
   m.config = host.config();
   m.options = options;
+  m.neurons_ordered = host.neurons_ordered_by_activity();
   const ModelConfig& c = m.config;
   TWELL_REQUIRE(mk::decode_attention_supports(c.head_dim),
                 "CUDA runtime: head_dim must be 8, 16, 32, 64, 128 or 256, got {}", c.head_dim);
@@ -322,8 +332,7 @@ void CudaModel::set_ffn_path(FfnPath path) {
     TWELL_REQUIRE(c.activation == FfnActivation::relu, "--ffn {} needs a ReLU FFN; this model's activation is {}{}",
                   to_string(path), to_string(c.activation),
                   c.activation == FfnActivation::fatrelu ? " (threshold > 0: the sparse kernels implement plain relu)" : "");
-  if (path != FfnPath::dense && !m.sparse)
-    m.sparse = std::make_unique<SparseFfn>(SparseFfnOptions{.allow_dense = m.options.ffn_dispatch});
+  if (path != FfnPath::dense && !m.sparse) m.sparse = m.make_sparse();
   if (path == FfnPath::predict && !m.layers.empty() && !m.layers[0].decode) {
     for (DeviceLayer& layer : m.layers) layer.decode = std::make_unique<DecodeLayer>(layer.ffn, layer.signs);
     m.predictors.assign(c.n_layers, keeps_every_neuron());
@@ -336,6 +345,9 @@ void CudaModel::set_predictor(const Model& host) {
   Impl& m = *impl_;
   TWELL_REQUIRE(m.path == FfnPath::predict, "set_predictor: select the predict path first");
   const std::vector<LayerPredictor>& per_layer = host.predictor();
+  TWELL_REQUIRE(host.neurons_ordered_by_activity() == m.neurons_ordered,
+                "set_predictor: the host model's FFN neurons are in another order than when this model was built "
+                "from it (order_neurons_by_activity in between), so its sign bits do not match these weights");
   TWELL_REQUIRE(static_cast<int32_t>(per_layer.size()) == m.config.n_layers &&
                     host.config().d_model == m.config.d_model && host.config().d_hidden == m.config.d_hidden,
                 "set_predictor: the host model has {} layer settings for D = {}, H = {}; this model has {} layers, "
@@ -367,7 +379,7 @@ void CudaModel::set_decode_graphs(bool enabled) {
 void CudaModel::set_ffn_dispatch(bool enabled) {
   Impl& m = *impl_;
   m.options.ffn_dispatch = enabled;
-  if (m.sparse) m.sparse = std::make_unique<SparseFfn>(SparseFfnOptions{.allow_dense = enabled});
+  if (m.sparse) m.sparse = m.make_sparse();
 }
 
 CudaModel::FfnCalls CudaModel::sparse_ffn_calls() const { return impl_->sparse_calls; }

@@ -5,10 +5,12 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <functional>
 
 #include "twell/convert.h"
 #include "twell/cpu.h"
 #include "twell/error.h"
+#include "twell/host_tensors.h"
 #include "twell/model.h"
 #include "twell/predictor_store.h"
 #include "twell/safetensors.h"
@@ -218,6 +220,25 @@ std::vector<Calibration> Model::calibrate_predictor(const std::vector<int32_t>& 
     predictors_[layer] = LayerPredictor{result.back().config, std::move(exact_columns)};
   }
   return result;
+}
+
+std::vector<std::vector<int64_t>> Model::order_neurons_by_activity(const std::vector<int32_t>& tokens) {
+  TWELL_REQUIRE(config_.relu_sparse(), "order_neurons_by_activity: needs a relu-sparse FFN; this model's activation is {}",
+                to_string(config_.activation));
+  TWELL_REQUIRE(!neurons_ordered_, "order_neurons_by_activity: this model's neurons are already ordered");
+  const std::vector<std::vector<float>> inputs = ffn_inputs(tokens);
+  const auto rows = static_cast<int64_t>(tokens.size());
+  std::vector<std::vector<int64_t>> counts(config_.n_layers);
+  for (int32_t layer = 0; layer < config_.n_layers; ++layer) {
+    FfnWeights& ffn = weights_.layers[layer].ffn;
+    std::vector<int64_t> active = cpu::count_active_neurons(inputs[layer].data(), rows, ffn);
+    ffn = sort_neurons_by_activity(ffn, active);
+    std::sort(active.begin(), active.end(), std::greater<>());
+    counts[layer] = std::move(active);
+    if (!relu_signs_.empty()) relu_signs_[layer] = pack_relu_signs(layer, relu_signs_[layer].exact_columns);
+  }
+  neurons_ordered_ = true;
+  return counts;
 }
 
 KvCache Model::new_cache(int32_t capacity) const {

@@ -5,8 +5,8 @@
 //   twell       gate GEMM -> TwELL, then the fused up+down kernel (always sparse); its record also
 //               gives each kernel's median time alone (extra gate_ms, ffn_from_twell_ms)
 //   twell_split cuda::SparseFfn without its all-dense path: TwELL, or the neurons most often active
-//               (a fraction of H in kHotFractions) through cuBLASLt and the rest through TwELL, the
-//               fastest per call; on weights sorted by activity on calibration rows apart from the
+//               (a fraction of H in SparseFfnOptions::kSortedNeuronHotFractions) through cuBLASLt
+//               and the rest through TwELL, the fastest per call; on weights sorted by activity on calibration rows apart from the
 //               timed ones (extra: hot_neurons of the path taken)
 //   twell_auto  cuda::SparseFfn: TwELL, a split, or dense per call (its rule in include/twell/cuda.h),
 //               on the sorted weights (extra: hot_neurons, dense)
@@ -106,9 +106,6 @@ class CudaDense : public CudaImpl {
   bool fuse_gate_;
 };
 
-// Split paths tried by twell_split and twell_auto: these fractions of H run densely.
-const std::vector<double> kHotFractions = {0.125, 0.25, 0.375, 0.5};
-
 class CudaTwell : public CudaImpl {
  public:
   enum class Kind { twell, split, automatic };
@@ -125,7 +122,7 @@ class CudaTwell : public CudaImpl {
       : ffn_({.tile = options.tile,
               .compression = options.compression,
               .allow_dense = kind == Kind::automatic,
-              .hot_fractions = kind == Kind::twell ? std::vector<double>{} : kHotFractions,
+              .hot_fractions = kind == Kind::twell ? std::vector<double>{} : cuda::SparseFfnOptions::kSortedNeuronHotFractions,
               .split_side_stream = options.split_side_stream}),
         kind_(kind),
         split_side_stream_(options.split_side_stream) {}

@@ -9,8 +9,12 @@
 // (the paper's "forward"); decode = --decode-batch sequences after a --decode-context prompt, greedy
 // steps with the argmax on the device (CUDA graphs unless --no-graphs). Each phase is timed on the
 // wall clock between two synchronizations of the model's stream, so host launch overhead counts;
-// joules per token from NVML's energy counter over the same interval.
+// joules per token from NVML's energy counter over the same interval. Before timing, a relu model's
+// FFN neurons are ordered by activity on --order-tokens random tokens (every path then runs the same
+// weights; the twell path can run its most active neurons densely), and prefills warm up until the
+// FFN dispatch has timed its paths.
 #include <cmath>
+#include <numeric>
 #include <random>
 
 #include <fmt/format.h>
@@ -41,6 +45,7 @@ struct BenchModelOptions {
   int32_t decode_batch = 1;     // CUDA: decode sequences
   int32_t decode_context = 128;  // CUDA: prompt tokens before the timed decode steps
   int32_t calibration_tokens = 64;
+  int32_t order_tokens = 256;  // CUDA relu models: random tokens the FFN neurons are ordered on (0: not ordered)
   int reps = 5;
   int threads = 0;
   double recall = 0.99;
@@ -74,6 +79,8 @@ struct PhaseTimes {
   std::vector<double> prefill_ms, decode_ms;
   double prefill_joules = 0, decode_joules = 0;
   double prefill_twell_fraction = NAN;  // CUDA twell path: share of the prefill FFN calls that ran TwELL
+  double prefill_split_fraction = NAN;  // ... that ran a split (hot neurons densely beside TwELL)
+  int prefill_warmups = 0;
 };
 
 PhaseTimes time_cpu(Model& model, const BenchModelOptions& options, const std::vector<int32_t>& prompt) {
@@ -101,10 +108,28 @@ PhaseTimes time_cpu(Model& model, const BenchModelOptions& options, const std::v
 }
 
 #ifdef TWELL_HAVE_CUDA
+// Prefills until one ran none of SparseFfn's timing runs (its dispatch has timed every path for
+// this shape: with split paths that takes about 36 FFN calls, more than one prefill of a small
+// model), at most kMaxPrefillWarmups. Returns how many ran.
+int warm_up_prefill(cuda::CudaModel& gpu, const BenchModelOptions& options, const std::vector<int32_t>& prompts) {
+  constexpr int kMaxPrefillWarmups = 10;
+  for (int warmups = 1;; ++warmups) {
+    gpu.reset(options.batch, options.prompt_tokens);
+    gpu.forward(prompts.data(), options.prompt_tokens, nullptr);
+    gpu.synchronize();
+    if (gpu.sparse_ffn_calls().measured == 0) return warmups;
+    if (warmups == kMaxPrefillWarmups) {
+      fmt::print("  note: the FFN dispatch was still timing its paths after {} warm-up prefills\n", warmups);
+      return warmups;
+    }
+  }
+}
+
 PhaseTimes time_cuda(cuda::CudaModel& gpu, const BenchModelOptions& options, const std::vector<int32_t>& prompts,
                      const std::vector<int32_t>& decode_prompts, const cuda::EnergyCounter& energy) {
   std::vector<float> logits(static_cast<size_t>(options.decode_batch) * gpu.config().vocab_size);
   PhaseTimes times;
+  times.prefill_warmups = warm_up_prefill(gpu, options, prompts);
   Progress progress("  timing", options.reps + 1, "reps");
   for (int rep = -1; rep < options.reps; ++rep) {  // rep -1 warms up (plans, buffers, dispatch timings, graphs)
     gpu.reset(options.batch, options.prompt_tokens);
@@ -116,8 +141,11 @@ PhaseTimes time_cuda(cuda::CudaModel& gpu, const BenchModelOptions& options, con
     });
     const double prefill_j = energy.joules() - prefill_start_j;
     const cuda::CudaModel::FfnCalls calls = gpu.sparse_ffn_calls();
-    if (calls.twell + calls.dense > 0)
-      times.prefill_twell_fraction = static_cast<double>(calls.twell) / static_cast<double>(calls.twell + calls.dense);
+    if (calls.twell + calls.dense > 0) {
+      const auto all = static_cast<double>(calls.twell + calls.dense);
+      times.prefill_twell_fraction = static_cast<double>(calls.twell) / all;
+      times.prefill_split_fraction = static_cast<double>(calls.split) / all;
+    }
     gpu.reset(options.decode_batch, options.decode_context + options.decode_tokens);
     gpu.forward(decode_prompts.data(), options.decode_context, logits.data());
     const double decode_start_j = energy.joules();
@@ -172,6 +200,21 @@ void run_bench_model(const BenchModelOptions& options) {
   const std::vector<int32_t> decode_prompts =
       random_tokens(static_cast<size_t>(options.decode_batch) * options.decode_context, config.vocab_size, rng);
   const std::vector<int32_t> calibration_tokens = random_tokens(options.calibration_tokens, config.vocab_size, rng);
+  // Ordered before the GPU copy is made, so that every path runs the same weights.
+  const bool order_neurons = on_gpu && options.order_tokens > 0 && config.activation == FfnActivation::relu;
+  if (order_neurons) {
+    const std::vector<std::vector<int64_t>> counts =
+        model.order_neurons_by_activity(random_tokens(options.order_tokens, config.vocab_size, rng));
+    double eighth_share = 0;  // of the activations, held by the most active eighth of the neurons
+    for (const std::vector<int64_t>& layer : counts) {
+      const auto eighth = static_cast<ptrdiff_t>(layer.size() / 8);
+      const int64_t all = std::accumulate(layer.begin(), layer.end(), int64_t{0});
+      if (all > 0) eighth_share += static_cast<double>(std::accumulate(layer.begin(), layer.begin() + eighth, int64_t{0})) / all;
+    }
+    fmt::print("FFN neurons ordered by activity on {} random tokens: the most active eighth holds {:.0f}% of the "
+               "activations (mean over layers)\n",
+               options.order_tokens, 100 * eighth_share / static_cast<double>(counts.size()));
+  }
 
 #ifdef TWELL_HAVE_CUDA
   std::unique_ptr<cuda::CudaModel> gpu;
@@ -260,7 +303,8 @@ void run_bench_model(const BenchModelOptions& options) {
                prefill.stddev, decode.mean, decode.stddev, prefill_speedup, decode_speedup, joules(prefill_j),
                joules(decode_j));
     if (!std::isnan(times.prefill_twell_fraction))
-      fmt::print("{:>8} prefill FFN calls that ran TwELL (the rest dense): {:.0f}%\n", "", 100 * times.prefill_twell_fraction);
+      fmt::print("{:>8} prefill FFN calls that ran TwELL (the rest dense): {:.0f}%, a split among them: {:.0f}%\n", "",
+                 100 * times.prefill_twell_fraction, 100 * times.prefill_split_fraction);
     for (const bool is_prefill : {true, false}) {
       BenchRecord record =
           new_bench_record("model", options.device, device_name, name,
@@ -285,8 +329,12 @@ void run_bench_model(const BenchModelOptions& options) {
         record.extra["lm_head"] = !is_prefill;
         record.extra["graphs"] = !options.no_graphs;
         record.extra["ffn_dispatch"] = !twell_only;
-        if (is_prefill && !std::isnan(times.prefill_twell_fraction))
+        if (is_prefill && !std::isnan(times.prefill_twell_fraction)) {
           record.extra["ffn_calls_twell_fraction"] = times.prefill_twell_fraction;
+          record.extra["ffn_calls_split_fraction"] = times.prefill_split_fraction;
+        }
+        if (is_prefill) record.extra["prefill_warmups"] = times.prefill_warmups;
+        record.extra["neuron_order_tokens"] = order_neurons ? options.order_tokens : 0;
         if (!is_prefill) record.extra["decode_context"] = options.decode_context;
       }
       if (!predictor_info.is_null()) record.extra["predictor"] = predictor_info;
@@ -322,6 +370,11 @@ void add_bench_model(CLI::App& bench) {
   command->add_option("--decode-context", options->decode_context, "cuda: prompt tokens before the timed decode steps")
       ->capture_default_str();
   command->add_option("--calibration-tokens", options->calibration_tokens, "predict path: random calibration tokens")
+      ->capture_default_str();
+  command->add_option("--order-tokens", options->order_tokens,
+                      "cuda, relu models: order each layer's FFN neurons by how many of this many random tokens "
+                      "activate them, so the twell path can run the most active densely beside TwELL (0: keep the "
+                      "checkpoint's order)")
       ->capture_default_str();
   command->add_option("--reps", options->reps, "repetitions (after one warm-up)")->capture_default_str();
   command->add_option("--threads", options->threads, "CPU threads (0 = all cores)")->capture_default_str();
