@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # One device call for the inference FFN (src/cuda/ffn_from_twell.cu, sparse_ffn.cu): check, test,
 # time, sanitize. Runs binaries built here and carried (the GPU machine builds nothing):
-#   mkdir -p .carry/kern && cp build-kern/lab/cuda/lab_twell_ffn build-kern/tests/twell_tests \
-#     build-kern/tools/twell .carry/kern/ && strip .carry/kern/* && gzip -9 .carry/kern/*
+#   mkdir -p .carry/kern && cp build-kern/lab/cuda/lab_twell_ffn build-kern/lab/cuda/lab_gated_up_gemm \
+#     build-kern/tests/twell_tests build-kern/tools/twell .carry/kern/ && strip .carry/kern/* && gzip -9 .carry/kern/*
 #   run: scripts/device_ffn.sh .carry/kern   (carry [".carry/kern"])
 # One log ($OUT/device.log) and the JSON records go to $OUT (at most 8 files come back). STEPS picks a
-# subset: check,tests,bench,sanitize,grid,train (default all but train).
+# subset: check,tests,bench,sanitize,grid,model,train (default all but model and train).
 # Other lab_twell_ffn_* binaries beside lab_twell_ffn (variants built for a comparison) are checked
 # and timed (M = 16384, 0.5% and 2%) too.
 set -o pipefail
@@ -15,7 +15,8 @@ steps=${STEPS:-check,tests,bench,sanitize,grid}
 source "$(dirname "$0")/device/common.sh"
 
 if step check; then
-  for lab in "$bin"/lab_twell_ffn*; do
+  for lab in "$bin"/lab_twell_ffn* "$bin"/lab_gated_up_gemm; do
+    [[ -x $lab ]] || continue
     echo "== $(basename "$lab") check" | tee -a "$log"
     "$lab" check 2>&1 | tee -a "$log" || status=1
   done
@@ -42,6 +43,11 @@ if step bench; then
       "$lab" bench 16384 2048 5632 0.005,0.02 50 2>&1 | tee -a "$log" || status=1
     fi
   done
+  if [[ -x $bin/lab_gated_up_gemm ]]; then
+    echo "== lab_gated_up_gemm bench" | tee -a "$log"
+    "$bin/lab_gated_up_gemm" bench 1024,4096,16384,65536 2048 5632 50 "$out/lab_gated_up_gemm.json" 2>&1 |
+      tee -a "$log" || status=1
+  fi
 fi
 if step sanitize; then
   sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
@@ -56,6 +62,14 @@ if step sanitize; then
     [[ $rc == 0 ]] || status=1
     tail -n 30 "/tmp/$tool.log" >> "$log"
     echo "$tool: exit $rc; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "/tmp/$tool.log" | tail -n 1)" | tee -a "$log"
+    # The relu gate in the up GEMM's epilogue (CUTLASS), on the lab's small shapes.
+    if [[ -x $bin/lab_gated_up_gemm ]]; then
+      "$sanitizer" --tool "$tool" --error-exitcode 3 "$bin/lab_gated_up_gemm" check quick > "/tmp/$tool.gated.log" 2>&1
+      rc=$?
+      [[ $rc == 0 ]] || status=1
+      echo "$tool lab_gated_up_gemm: exit $rc; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "/tmp/$tool.gated.log" | tail -n 1)" |
+        tee -a "$log"
+    fi
   done
 fi
 if step grid; then
@@ -67,6 +81,15 @@ if step grid; then
     IFS=x read -r d h <<< "$shape"
     "$bin/twell" bench ffn --device cuda --m ${GRID_SHAPE_M:-4096,16384} --d "$d" --h "$h" --density 0.005,0.02,0.1 \
       --reps 30 --json "$out/grid_${d}_$h.json" 2>&1 | tee -a "$log" || status=1
+  done
+fi
+if step model; then
+  # Issue 5's forward (2B shape, 64 x 2048 tokens): the checkpoint's neuron order, then ordered by
+  # activity (split paths), in one call so that the ratios share the machine's state.
+  for order in 0 256; do
+    "$bin/twell" bench model --synthetic 2b --device cuda --batch 64 --prompt-tokens 2048 --decode-tokens 1 \
+      --reps 3 --ffn dense,twell --order-tokens $order --json "$out/model_order$order.json" 2>&1 | tee -a "$log" ||
+      status=1
   done
 fi
 if step train; then

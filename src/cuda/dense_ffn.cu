@@ -43,7 +43,8 @@ __global__ void activate_multiply_kernel(const __nv_bfloat16* gate, __nv_bfloat1
                                         __bfloat162float(up[count - 1]));
 }
 
-// u = act(g) ⊙ u in place, one elementwise pass.
+}  // namespace
+
 void activate_multiply(const bf16* gate, bf16* up, int64_t count, GateActivation activation, cudaStream_t stream) {
   const int threads = 256;
   const auto blocks = static_cast<unsigned>(
@@ -63,8 +64,6 @@ void activate_multiply(const bf16* gate, bf16* up, int64_t count, GateActivation
   }
   TWELL_CUDA_CHECK_LAUNCH();
 }
-
-}  // namespace
 
 struct DenseFfn::Impl {
   int64_t fuse_gate_from_rows = kNeverFused;
