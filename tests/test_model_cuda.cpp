@@ -252,6 +252,30 @@ TEST_F(CudaModelTest, OrderedNeuronsSplitPathsMatchCpu) {
   EXPECT_THROW(built_before.set_predictor(late), Error);
 }
 
+// Stage timing: every stage of an eager prefill takes time, reading the sums empties them, and
+// decode steps captured in a graph record no events (an event recorded inside a capture would fail
+// the read that follows).
+TEST_F(CudaModelTest, StageTimesCoverEagerSteps) {
+  const ModelConfig config = synthetic_model_config("tiny");
+  Model host(config, make_synthetic_weights(config, 0.05, 5));
+  cuda::CudaModel gpu(host);
+  gpu.reset(1, 64);
+  gpu.set_stage_timing(true);
+  std::vector<int32_t> prompt(40);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>((29 * i + 3) % config.vocab_size);
+  std::vector<float> logits(config.vocab_size);
+  gpu.forward(prompt.data(), static_cast<int32_t>(prompt.size()), logits.data());
+  const cuda::CudaModel::StageTimes t = gpu.stage_times();
+  for (const double ms : {t.embed, t.norm_qkv, t.rope_attention, t.o_proj_norm, t.ffn, t.lm_head}) EXPECT_GT(ms, 0.0);
+  const cuda::CudaModel::StageTimes empty = gpu.stage_times();
+  EXPECT_EQ(empty.ffn + empty.embed + empty.lm_head, 0.0);
+  gpu.decode_greedy(8);  // the first step eager, the second captured, the rest replayed
+  const cuda::CudaModel::StageTimes decode = gpu.stage_times();
+  EXPECT_GT(gpu.graph_replays(), 0);
+  EXPECT_GT(decode.ffn, 0.0);  // the eager step
+  gpu.set_stage_timing(false);
+}
+
 TEST_F(CudaModelTest, RefusesBadInput) {
   const Model silu = Model::load(model_dir("llama"));
   cuda::CudaModel gpu(silu);

@@ -59,6 +59,17 @@ class CudaModel {
     int64_t twell = 0, dense = 0, split = 0, measured = 0;
   };
   FfnCalls sparse_ffn_calls() const;
+  // GPU time per stage of the steps that run eagerly (a prefill; decode steps outside a graph) while
+  // enabled: CUDA events between the stages on the model's stream, summed by stage (the FFN with
+  // its residual add; a split's side stream is joined before the FFN stage ends). For where a
+  // forward's time goes (bench model); events between every stage cost a little, so timed runs
+  // leave it off.
+  struct StageTimes {
+    double embed = 0, norm_qkv = 0, rope_attention = 0, o_proj_norm = 0, ffn = 0, lm_head = 0;  // ms
+  };
+  void set_stage_timing(bool enabled);
+  // The sums since stage timing was enabled or the last call (synchronizes the model's stream).
+  StageTimes stage_times();
 
   // Empties the KV cache and shapes it for `batch` sequences of up to `capacity` positions each.
   void reset(int32_t batch, int32_t capacity);

@@ -4,6 +4,7 @@
 #include <cstddef>
 #include <map>
 #include <set>
+#include <utility>
 
 #include "cuda/cuda_utils.h"
 #include "cuda/decode_gemv.h"
@@ -87,6 +88,44 @@ struct CudaModel::Impl {
   int64_t replays = 0;
   FfnCalls sparse_calls;
 
+  // Stage timing (set_stage_timing): an event after each stage of an eager step, never inside a
+  // graph capture; mark_stage[i] is the stage that ends at events[i] (kNoStage: a step's start).
+  static constexpr int kNoStage = -1;
+  enum { kEmbedStage, kNormQkvStage, kRopeAttentionStage, kOProjNormStage, kFfnStage, kLmHeadStage };
+  bool stage_timing = false;
+  bool capturing = false;
+  std::vector<cudaEvent_t> events;
+  std::vector<int> mark_stage;
+  StageTimes stage_ms;
+
+  void mark(int stage) {
+    if (!stage_timing || capturing) return;
+    // Fold long runs of marks (steps nobody reads) so the pool stays bounded.
+    if (mark_stage.size() >= kMaxMarks && stage == kNoStage) fold_stages();
+    if (mark_stage.size() == events.size()) {
+      cudaEvent_t event = nullptr;
+      TWELL_CUDA_CHECK(cudaEventCreate(&event));
+      events.push_back(event);
+    }
+    TWELL_CUDA_CHECK(cudaEventRecord(events[mark_stage.size()], stream));
+    mark_stage.push_back(stage);
+  }
+  static constexpr size_t kMaxMarks = 4096;
+
+  // Adds the time between consecutive marks to the later mark's stage.
+  void fold_stages() {
+    TWELL_CUDA_CHECK(cudaStreamSynchronize(stream));
+    double* by_stage[] = {&stage_ms.embed, &stage_ms.norm_qkv, &stage_ms.rope_attention, &stage_ms.o_proj_norm,
+                          &stage_ms.ffn, &stage_ms.lm_head};
+    for (size_t i = 1; i < mark_stage.size(); ++i) {
+      if (mark_stage[i] == kNoStage) continue;
+      float ms = 0;
+      TWELL_CUDA_CHECK(cudaEventElapsedTime(&ms, events[i - 1], events[i]));
+      *by_stage[mark_stage[i]] += ms;
+    }
+    mark_stage.clear();
+  }
+
   std::unique_ptr<SparseFfn> make_sparse() const {
     return std::make_unique<SparseFfn>(SparseFfnOptions{
         .allow_dense = options.ffn_dispatch,
@@ -157,7 +196,9 @@ struct CudaModel::Impl {
     const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
     const float rope_theta = static_cast<float>(c.rope_theta);
     const float eps = static_cast<float>(c.rms_norm_eps);
+    mark(kNoStage);
     mk::embed(tokens.data(), rows, embedding.get(), c.d_model, hidden.data(), stream);
+    mark(kEmbedStage);
     // A batch-1 decode step's projections are GEMVs (the QKV one normalizes its input itself). On the
     // H200 they beat cuBLASLt at one row (QKV 1.15x, O 1.63x) but not at four (0.6-1.0x):
     // docs/perf-notes.md, lab_decode_gemv.
@@ -176,6 +217,7 @@ struct CudaModel::Impl {
         gemm.run(rows, qkv_width(), d, {normed.data(), d, false}, {layer.wqkv.get(), d, true}, qkv.data(),
                  qkv_width(), GemmOutput::bf16, 0.0f, stream);
       }
+      mark(kNormQkvStage);
       if (n == 1) {
         mk::decode_attention_rope(qkv.data(), layer.bqkv.get(), shape, length_device.data(), rope_theta, k_layer,
                                   v_layer, scale, attention.data(), decode_attention_workspace.data(),
@@ -188,6 +230,7 @@ struct CudaModel::Impl {
         else
           gemm_attention.run(gemm, q.data(), k_layer, v_layer, shape, length, scale, attention.data(), stream);
       }
+      mark(kRopeAttentionStage);
       // h [rows, D] += attention [rows, H_q·Dh] · Wo^T, accumulated in fp32; then the FFN's RMSNorm
       // (at one row the GEMV's last block does it: one launch fewer per layer).
       if (gemv) {
@@ -199,7 +242,9 @@ struct CudaModel::Impl {
                  d, GemmOutput::f32, 1.0f, stream);
         mk::rms_norm(hidden.data(), rows, 0, 1, c.d_model, layer.ffn_norm.get(), eps, normed.data(), stream);
       }
+      mark(kOProjNormStage);
       ffn(index, n);
+      mark(kFfnStage);
     }
     mk::advance_length(length_device.data(), n, stream);
     if (!with_lm_head) return;
@@ -212,6 +257,7 @@ struct CudaModel::Impl {
     if (!all_logits)
       mk::argmax_tokens(logits.data(), batch, c.vocab_size, length_device.data(), tokens.data(), history.data(),
                         cache_stride, stream);
+    mark(kLmHeadStage);
   }
 
   // One step, through a CUDA graph where possible: the first step of a shape runs eagerly (plans,
@@ -237,9 +283,12 @@ struct CudaModel::Impl {
     }
     cudaGraph_t graph = nullptr;
     TWELL_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    capturing = true;
     try {
       enqueue(n, with_lm_head, all_logits);
+      capturing = false;
     } catch (...) {
+      capturing = false;
       cudaStreamEndCapture(stream, &graph);
       if (graph) cudaGraphDestroy(graph);
       throw;
@@ -315,6 +364,7 @@ CudaModel::~CudaModel() {
   if (!impl_) return;
   if (impl_->stream) cudaStreamSynchronize(impl_->stream);
   impl_->drop_graphs();
+  for (cudaEvent_t event : impl_->events) cudaEventDestroy(event);
   impl_->sparse.reset();
   if (impl_->stream) cudaStreamDestroy(impl_->stream);
 }
@@ -383,6 +433,18 @@ void CudaModel::set_ffn_dispatch(bool enabled) {
 }
 
 CudaModel::FfnCalls CudaModel::sparse_ffn_calls() const { return impl_->sparse_calls; }
+
+void CudaModel::set_stage_timing(bool enabled) {
+  Impl& m = *impl_;
+  if (!enabled) m.fold_stages();
+  m.stage_timing = enabled;
+}
+
+CudaModel::StageTimes CudaModel::stage_times() {
+  Impl& m = *impl_;
+  m.fold_stages();
+  return std::exchange(m.stage_ms, StageTimes{});
+}
 
 void CudaModel::reset(int32_t batch, int32_t capacity) {
   Impl& m = *impl_;

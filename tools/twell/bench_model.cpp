@@ -16,6 +16,9 @@
 #include <cmath>
 #include <numeric>
 #include <random>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -81,6 +84,7 @@ struct PhaseTimes {
   double prefill_twell_fraction = NAN;  // CUDA twell path: share of the prefill FFN calls that ran TwELL
   double prefill_split_fraction = NAN;  // ... that ran a split (hot neurons densely beside TwELL)
   int prefill_warmups = 0;
+  std::vector<std::pair<std::string, double>> prefill_stage_ms;  // CUDA: one more prefill, by stage
 };
 
 PhaseTimes time_cpu(Model& model, const BenchModelOptions& options, const std::vector<int32_t>& prompt) {
@@ -161,6 +165,17 @@ PhaseTimes time_cuda(cuda::CudaModel& gpu, const BenchModelOptions& options, con
     times.prefill_joules += prefill_j;
     times.decode_joules += decode_j;
   }
+  // Where a prefill's time goes: one more, untimed, with events between its stages.
+  gpu.set_stage_timing(true);
+  gpu.reset(options.batch, options.prompt_tokens);
+  gpu.forward(prompts.data(), options.prompt_tokens, nullptr);
+  const cuda::CudaModel::StageTimes stages = gpu.stage_times();
+  gpu.set_stage_timing(false);
+  times.prefill_stage_ms = {{"embed", stages.embed},
+                            {"norm_qkv", stages.norm_qkv},
+                            {"rope_attention", stages.rope_attention},
+                            {"o_proj_norm", stages.o_proj_norm},
+                            {"ffn", stages.ffn}};
   return times;
 }
 #endif
@@ -302,6 +317,11 @@ void run_bench_model(const BenchModelOptions& options) {
     fmt::print("{:>8} {:>12.1f} ± {:>7.1f} {:>12.1f} ± {:>7.1f} {:>8.2f}x {:>8.2f}x {:>10} {:>10}\n", name, prefill.mean,
                prefill.stddev, decode.mean, decode.stddev, prefill_speedup, decode_speedup, joules(prefill_j),
                joules(decode_j));
+    if (!times.prefill_stage_ms.empty()) {
+      std::string line;
+      for (const auto& [stage, ms] : times.prefill_stage_ms) line += fmt::format(" {} {:.1f}", stage, ms);
+      fmt::print("{:>8} prefill stages, ms (one more prefill, events between stages):{}\n", "", line);
+    }
     if (!std::isnan(times.prefill_twell_fraction))
       fmt::print("{:>8} prefill FFN calls that ran TwELL (the rest dense): {:.0f}%, a split among them: {:.0f}%\n", "",
                  100 * times.prefill_twell_fraction, 100 * times.prefill_split_fraction);
@@ -333,7 +353,10 @@ void run_bench_model(const BenchModelOptions& options) {
           record.extra["ffn_calls_twell_fraction"] = times.prefill_twell_fraction;
           record.extra["ffn_calls_split_fraction"] = times.prefill_split_fraction;
         }
-        if (is_prefill) record.extra["prefill_warmups"] = times.prefill_warmups;
+        if (is_prefill) {
+          record.extra["prefill_warmups"] = times.prefill_warmups;
+          for (const auto& [stage, ms] : times.prefill_stage_ms) record.extra["stage_ms"][stage] = ms;
+        }
         record.extra["neuron_order_tokens"] = order_neurons ? options.order_tokens : 0;
         if (!is_prefill) record.extra["decode_context"] = options.decode_context;
       }
