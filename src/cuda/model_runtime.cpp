@@ -91,6 +91,7 @@ struct CudaModel::Impl {
   // Stage timing (set_stage_timing): an event after each stage of an eager step, never inside a
   // graph capture; mark_stage[i] is the stage that ends at events[i] (kNoStage: a step's start).
   static constexpr int kNoStage = -1;
+  static constexpr size_t kMaxMarks = 4096;
   enum { kEmbedStage, kNormQkvStage, kRopeAttentionStage, kOProjNormStage, kFfnStage, kLmHeadStage };
   bool stage_timing = false;
   bool capturing = false;
@@ -110,7 +111,6 @@ struct CudaModel::Impl {
     TWELL_CUDA_CHECK(cudaEventRecord(events[mark_stage.size()], stream));
     mark_stage.push_back(stage);
   }
-  static constexpr size_t kMaxMarks = 4096;
 
   // Adds the time between consecutive marks to the later mark's stage.
   void fold_stages() {
