@@ -27,7 +27,9 @@ namespace twell::cuda {
 
 struct CudaModelOptions {
   bool decode_graphs = true;  // capture decode steps (n = 1) in CUDA graphs where the FFN path allows
-  bool ffn_dispatch = true;   // twell path: SparseFfn may run dense where that is faster; false: always TwELL
+  // twell path: SparseFfn may run dense (or, on ordered neurons, a split) where that is faster;
+  // false: always plain TwELL.
+  bool ffn_dispatch = true;
 };
 
 class CudaModel {
@@ -50,7 +52,7 @@ class CudaModel {
   // from, on its predict path.
   void set_predictor(const Model& host);
   void set_decode_graphs(bool enabled);
-  // twell path: let SparseFfn run dense where that is faster (true), or always TwELL (false).
+  // twell path: let SparseFfn run dense or a split where that is faster (true), or always plain TwELL (false).
   void set_ffn_dispatch(bool enabled);
   // FFN calls of the twell path (and of predict steps over 16 rows) since reset(), by what they ran:
   // TwELL (split among them: its hot neurons densely beside it) or dense; measured: how many were

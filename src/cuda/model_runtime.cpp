@@ -129,7 +129,8 @@ struct CudaModel::Impl {
   std::unique_ptr<SparseFfn> make_sparse() const {
     return std::make_unique<SparseFfn>(SparseFfnOptions{
         .allow_dense = options.ffn_dispatch,
-        .hot_fractions = neurons_ordered ? SparseFfnOptions::kSortedNeuronHotFractions : std::vector<double>{}});
+        .hot_fractions = neurons_ordered && options.ffn_dispatch ? SparseFfnOptions::kSortedNeuronHotFractions
+                                                                 : std::vector<double>{}});
   }
 
   int64_t q_dim() const { return int64_t{config.n_heads} * config.head_dim; }
