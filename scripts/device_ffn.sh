@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the inference FFN (src/cuda/ffn_from_twell.cu, sparse_ffn.cu): check, test,
 # time, sanitize. Runs binaries built here and carried (the GPU machine builds nothing):
-#   mkdir -p .carry/kern && cp build-kern/lab/cuda/lab_twell_ffn build-kern/lab/cuda/lab_gated_up_gemm \
-#     build-kern/tests/twell_tests build-kern/tools/twell .carry/kern/ && strip .carry/kern/* && gzip -9 .carry/kern/*
+#   scripts/pack_device.sh kern   (twell, twell_tests and the labs of ./build)
 #   run: scripts/device_ffn.sh .carry/kern   (carry [".carry/kern"])
 # One log ($OUT/device.log) and the JSON records go to $OUT (at most 8 files come back). STEPS picks a
 # subset: check,tests,bench,sanitize,grid,model,train (default all but model and train).
