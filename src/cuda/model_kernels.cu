@@ -14,7 +14,7 @@ namespace twell::cuda::model_kernels {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kRopeThreads = 128;
+constexpr int kRopeThreads = 256;
 constexpr int kDecodeThreads = 128;
 // Rows (key and value) a decode-attention thread loads before it waits for any of them.
 constexpr int kDecodeRowsPerLoad = 4;
@@ -91,46 +91,57 @@ struct RotatedPair {
   bf16 low, high;  // elements i and i + Dh/2 of the head
 };
 
-// The model's RoPE (HF rotate_half, fp32 as HF computes it) of the pair i of the head that starts at
-// `head_column` of a qkv row, the bias added first, at `position`; rounded to bf16. The only copy of
-// this arithmetic: qkv_rope and decode_attention_rope must produce the same bits.
-__device__ __forceinline__ RotatedPair rope_pair(const bf16* row, const float* bias, int64_t head_column, int32_t i,
-                                                 int32_t dh, int32_t position, float rope_theta) {
-  const int32_t half = dh / 2;
+struct RopeAngle {
+  float cosine, sine;
+};
+
+// The model's RoPE (HF rotate_half, fp32 as HF computes it): the angle of pair i at `position`, and
+// the rotation of pair i of the head that starts at `head_column` of a qkv row, the bias added
+// first, rounded to bf16. The only copy of this arithmetic: qkv_rope and decode_attention_rope must
+// produce the same bits.
+__device__ __forceinline__ RopeAngle rope_angle(int32_t i, int32_t dh, int32_t position, float rope_theta) {
   const float inv_freq = 1.0f / powf(rope_theta, static_cast<float>(2 * i) / static_cast<float>(dh));
   const float angle = __fmul_rn(static_cast<float>(position), inv_freq);
   // Accurate cosf/sinf as HF's fp32 RoPE (their large-angle reduction costs a 32-byte stack frame).
-  const float c = cosf(angle), sn = sinf(angle);
-  const float x0 = qkv_element(row, bias, head_column + i), x1 = qkv_element(row, bias, head_column + i + half);
+  return {cosf(angle), sinf(angle)};
+}
+
+__device__ __forceinline__ RotatedPair rotate_pair(const bf16* row, const float* bias, int64_t head_column, int32_t i,
+                                                   int32_t dh, RopeAngle a) {
+  const float x0 = qkv_element(row, bias, head_column + i), x1 = qkv_element(row, bias, head_column + i + dh / 2);
   // x0·c − x1·s and x1·c + x0·s with the roundings spelled out: left to the compiler, the products
   // may be contracted into FMAs differently in each kernel this is inlined into. These are the
   // contractions nvcc had chosen for qkv_rope.
-  return {to_bf16(__fmaf_rn(x0, c, -__fmul_rn(x1, sn))), to_bf16(__fmaf_rn(x0, sn, __fmul_rn(x1, c)))};
+  return {to_bf16(__fmaf_rn(x0, a.cosine, -__fmul_rn(x1, a.sine))),
+          to_bf16(__fmaf_rn(x0, a.sine, __fmul_rn(x1, a.cosine)))};
 }
 
-// One thread per rotated (q or k head, i) pair or per value element of one row: grid (rows, pieces
-// of the row). At one decode row a single block looping over the row spent ~17 us on the angles.
+// One block per row [q heads | k heads | v heads]. A thread takes one pair index i and every
+// (blockDim / half)-th head from its first, so that an angle is computed once for several heads
+// (one thread per pair computed it H_q + H_kv = 64 times per row at the 2B shape); adjacent threads
+// read adjacent elements of a head. Then the values, copied to the cache.
 __global__ void qkv_rope_kernel(const bf16* qkv, const float* bias, AttentionShape s, const int32_t* length,
                                 float rope_theta, bf16* q, bf16* k_cache, bf16* v_cache) {
   begin_programmatic();
   const int32_t r = blockIdx.x, b = r / s.tokens, t = r % s.tokens;
   const int32_t position = *length + t;
-  const int32_t dh = s.head_dim, half = dh / 2;
+  const int32_t dh = s.head_dim, half = dh / 2, heads = s.n_heads + s.n_kv_heads;
   const int64_t q_width = int64_t{s.n_heads} * dh, kv_width = int64_t{s.n_kv_heads} * dh;
-  const int64_t width = q_width + 2 * kv_width;
-  const bf16* in = qkv + r * width;
-  const int32_t pairs = (s.n_heads + s.n_kv_heads) * half;
-  const int32_t index = static_cast<int32_t>(blockIdx.y * blockDim.x + threadIdx.x);
-  if (index < pairs) {
-    const int32_t head = index / half, i = index % half;
-    const bool is_query = head < s.n_heads;
-    bf16* out = is_query ? q + ((int64_t{b} * s.n_heads + head) * s.tokens + t) * dh
-                         : k_cache + ((int64_t{b} * s.n_kv_heads + (head - s.n_heads)) * s.cache_stride + position) * dh;
-    // q heads, then k heads, in the qkv row
-    const RotatedPair rotated = rope_pair(in, bias, int64_t{head} * dh, i, dh, position, rope_theta);
-    out[i] = rotated.low;
-    out[i + half] = rotated.high;
-  } else if (const int32_t element = index - pairs; element < kv_width) {  // of the values
+  const bf16* in = qkv + r * (q_width + 2 * kv_width);
+  const int32_t head_step = max(1, static_cast<int32_t>(blockDim.x) / half);
+  for (int32_t slot = threadIdx.x; slot < half * min(head_step, heads); slot += blockDim.x) {
+    const int32_t i = slot % half;
+    const RopeAngle angle = rope_angle(i, dh, position, rope_theta);
+    for (int32_t head = slot / half; head < heads; head += head_step) {  // q heads, then k heads
+      bf16* out = head < s.n_heads
+                      ? q + ((int64_t{b} * s.n_heads + head) * s.tokens + t) * dh
+                      : k_cache + ((int64_t{b} * s.n_kv_heads + (head - s.n_heads)) * s.cache_stride + position) * dh;
+      const RotatedPair rotated = rotate_pair(in, bias, int64_t{head} * dh, i, dh, angle);
+      out[i] = rotated.low;
+      out[i + half] = rotated.high;
+    }
+  }
+  for (int32_t element = threadIdx.x; element < kv_width; element += blockDim.x) {
     const int32_t head = element / dh, d = element % dh;
     v_cache[((int64_t{b} * s.n_kv_heads + head) * s.cache_stride + position) * dh + d] =
         to_bf16(qkv_element(in, bias, q_width + kv_width + element));
@@ -178,10 +189,11 @@ __global__ void heads_to_tokens_kernel(const bf16* in, AttentionShape s, int64_t
 // splits (log-sum-exp rescaling) and resets the head's arrival counter for the next call or replay.
 //
 // The new token's query, key and value come from its qkv row, as qkv_rope would write them (the same
-// rope_pair, the same bf16 values): each block rotates its head's query, and the last split, whose
-// chunk ends at the new position *length, rotates the new key and takes the new value too. Its block
-// for the first query head of the kv head's group stores them into the caches for the later steps;
-// no block reads position *length from the cache, so none waits for that store or races with it.
+// rope_angle and rotate_pair, the same bf16 values): each block rotates its head's query, and the
+// last split, whose chunk ends at the new position *length, rotates the new key and takes the new
+// value too. Its block for the first query head of the kv head's group stores them into the caches
+// for the later steps; no block reads position *length from the cache, so none waits for that store
+// or races with it.
 __global__ void __launch_bounds__(kDecodeThreads)
     decode_attention_rope_kernel(const bf16* qkv, const float* bias, AttentionShape s, const int32_t* length,
                                  float rope_theta, bf16* k_cache, bf16* v_cache, float scale, float* split_results,
@@ -218,12 +230,14 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const int32_t items = has_new ? 2 * dh : half;
   for (int32_t item = threadIdx.x; item < items; item += blockDim.x) {
     if (item < half) {
-      const RotatedPair rotated = rope_pair(row, bias, int64_t{h} * dh, item, dh, position, rope_theta);
+      const RotatedPair rotated =
+          rotate_pair(row, bias, int64_t{h} * dh, item, dh, rope_angle(item, dh, position, rope_theta));
       query[item] = rotated.low;
       query[item + half] = rotated.high;
     } else if (item < dh) {
       const int32_t i = item - half;
-      const RotatedPair rotated = rope_pair(row, bias, q_width + int64_t{kv_head} * dh, i, dh, position, rope_theta);
+      const RotatedPair rotated =
+          rotate_pair(row, bias, q_width + int64_t{kv_head} * dh, i, dh, rope_angle(i, dh, position, rope_theta));
       new_key[i] = rotated.low;
       new_key[i + half] = rotated.high;
       if (stores_new) {
@@ -403,10 +417,8 @@ void rms_norm(const float* x, int64_t rows, int64_t first, int64_t step, int32_t
 void qkv_rope(const bf16* qkv, const float* bias, const AttentionShape& shape, const int32_t* length, float rope_theta,
               bf16* q, bf16* k_cache, bf16* v_cache, cudaStream_t stream) {
   const auto rows = static_cast<unsigned>(int64_t{shape.batch} * shape.tokens);
-  const int32_t items = (shape.n_heads + shape.n_kv_heads) * (shape.head_dim / 2) + shape.n_kv_heads * shape.head_dim;
-  const dim3 grid(rows, static_cast<unsigned>((items + kRopeThreads - 1) / kRopeThreads));
-  launch_programmatic(qkv_rope_kernel, grid, dim3(kRopeThreads), 0, stream, qkv, bias, shape, length, rope_theta, q,
-                      k_cache, v_cache);
+  launch_programmatic(qkv_rope_kernel, dim3(rows), dim3(kRopeThreads), 0, stream, qkv, bias, shape, length, rope_theta,
+                      q, k_cache, v_cache);
 }
 
 void causal_softmax(const float* scores, int64_t rows_total, int32_t tokens, int32_t start, int32_t ld, float scale,

@@ -15,18 +15,23 @@ using model_kernels::AttentionShape;
 
 // ---- The fused kernel -------------------------------------------------------------------------
 //
-// Block: 4 warps, 64 query tokens of one (sequence, query head); warp w owns tokens 16w .. 16w+15,
-// one m16n8k16 row tile, so softmax statistics never leave the warp. Keys and values stream in
-// tiles of 64 positions through double-buffered shared memory (cp.async): the tile after the
-// current one loads while the current one is multiplied. Per key tile and warp:
-//   S [16, 64] = Q [16, Dh] · K^T          (Q's fragments stay in registers for the whole block)
-//   causal mask (only on tiles that reach past the warp's first token), running max and sum,
+// Block: 4 warps, Br query tokens of one (sequence, query head); warp w owns Br/4 consecutive
+// tokens, one or two m16n8k16 row tiles, so softmax statistics never leave the warp. Keys and
+// values stream in tiles of 64 positions through double-buffered shared memory (cp.async): the
+// tile after the current one loads while the current one is multiplied. Per key tile and warp:
+//   S [16, 64] = Q [16, Dh] · K^T per row tile (Q's fragments stay in registers for the whole block)
+//   causal mask (only on tiles that reach past a row tile's first token), running max and sum,
 //   O [16, Dh] = O·correction + P [16, 64] · V [64, Dh]   (P: S's accumulators rounded to bf16)
+// Two row tiles per warp (Dh <= 64) share each K and V fragment read from shared memory, half the
+// ldmatrix traffic per MMA of one. At Dh 128 a second tile's accumulators would not fit in registers.
 // Tiles of tokens are launched longest first (most visible keys), so the short ones fill the tail.
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
-constexpr int kQueryRows = 16 * kWarps;  // Br
-constexpr int kKeyRows = 64;             // Bc
+constexpr int kKeyRows = 64;  // Bc
+template <int kDh>
+constexpr int kRowTiles = kDh <= 64 ? 2 : 1;  // per warp
+template <int kDh>
+constexpr int kQueryRows = 16 * kWarps * kRowTiles<kDh>;  // Br
 
 // A [rows, Dh] bf16 tile in shared memory, row-major in 16-byte chunks, chunk c of row r stored at
 // c ^ (r mod 8): the 8 rows an ldmatrix reads at one chunk column land in 8 different bank groups.
@@ -81,34 +86,40 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kChunks = kDh / 8;
   constexpr int kDimSteps = kDh / 16;       // k steps of Q·K^T
   constexpr int kKeyTiles8 = kKeyRows / 8;  // 8-key column tiles of S
+  constexpr int kTiles = kRowTiles<kDh>;
+  constexpr int kRows = kQueryRows<kDh>;
+  constexpr int kWarpRows = 16 * kTiles;
   extern __shared__ __align__(128) unsigned char shared_bytes[];
   bf16* q_tile = reinterpret_cast<bf16*>(shared_bytes);  // [Br, Dh], later the output staging
-  bf16* k_tiles = q_tile + kQueryRows * kDh;             // [2][Bc, Dh]
-  bf16* v_tiles = k_tiles + 2 * kKeyRows * kDh;          // [2][Bc, Dh]
+  bf16* k_tiles = q_tile + kRows * kDh;                   // [2][Bc, Dh]
+  bf16* v_tiles = k_tiles + 2 * kKeyRows * kDh;           // [2][Bc, Dh]
 
   const int32_t b = blockIdx.x / s.n_heads, h = blockIdx.x % s.n_heads;
-  const int32_t first_token = (gridDim.y - 1 - blockIdx.y) * kQueryRows;
+  const int32_t first_token = (gridDim.y - 1 - blockIdx.y) * kRows;
   const int32_t kv_head = h / (s.n_heads / s.n_kv_heads);
   const int64_t cache_base = (int64_t{b} * s.n_kv_heads + kv_head) * s.cache_stride * kDh;
   keys += cache_base;
   values += cache_base;
   // Positions the block's tokens see: [0, kv_end). None past start + n is read.
-  const int32_t kv_end = start + min(first_token + kQueryRows, s.tokens);
+  const int32_t kv_end = start + min(first_token + kRows, s.tokens);
   const int32_t key_tiles = (kv_end + kKeyRows - 1) / kKeyRows;
 
-  load_tile_async<kDh, kQueryRows>(q_tile, q + ((int64_t{b} * s.n_heads + h) * s.tokens + first_token) * kDh,
-                                   s.tokens - first_token);
+  load_tile_async<kDh, kRows>(q_tile, q + ((int64_t{b} * s.n_heads + h) * s.tokens + first_token) * kDh,
+                              s.tokens - first_token);
   load_tile_async<kDh, kKeyRows>(k_tiles, keys, kv_end);
   load_tile_async<kDh, kKeyRows>(v_tiles, values, kv_end);
   commit_copies();
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int warp_row = warp * 16;
-  const int32_t warp_token = first_token + warp_row;                        // the warp's first token
-  const int32_t token_lo = warp_token + lane / 4, token_hi = token_lo + 8;  // this lane's two rows
-  uint32_t q_fragments[kDimSteps][4];
-  float o[kDh / 8][4] = {};  // O [16, Dh] accumulators, unnormalized
-  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+  const int warp_row = warp * kWarpRows;
+  const int32_t warp_token = first_token + warp_row;  // the warp's first token
+  uint32_t q_fragments[kTiles][kDimSteps][4];
+  float o[kTiles][kDh / 8][4] = {};  // O [16, Dh] accumulators per row tile, unnormalized
+  float row_max[kTiles][2], row_sum[kTiles][2];
+#pragma unroll
+  for (int m = 0; m < kTiles; ++m)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) row_max[m][r] = -INFINITY, row_sum[m][r] = 0.0f;
 
   for (int32_t tile = 0; tile < key_tiles; ++tile) {
     const int buffer = tile & 1;
@@ -124,17 +135,19 @@ __global__ void __launch_bounds__(kThreads, 1)
     __syncthreads();
     if (tile == 0) {
 #pragma unroll
-      for (int step = 0; step < kDimSteps; ++step)
-        load_matrices(q_fragments[step],
-                      q_tile + tile_offset<kDh>(warp_row + lane % 8 + (lane / 8 % 2) * 8, 2 * step + lane / 16));
+      for (int m = 0; m < kTiles; ++m)
+#pragma unroll
+        for (int step = 0; step < kDimSteps; ++step)
+          load_matrices(q_fragments[m][step], q_tile + tile_offset<kDh>(warp_row + 16 * m + lane % 8 + lane / 8 % 2 * 8,
+                                                                        2 * step + lane / 16));
     }
     const int32_t first_key = tile * kKeyRows;
     // A tile wholly past the warp's last token adds nothing to its rows (only with start > 0 or
     // a partial last token tile); skipping it is warp-uniform.
-    if (first_key <= start + warp_token + 15) {
+    if (first_key <= start + warp_token + kWarpRows - 1) {
       const bf16* k_tile = k_tiles + buffer * kKeyRows * kDh;
       const bf16* v_tile = v_tiles + buffer * kKeyRows * kDh;
-      float scores[kKeyTiles8][4] = {};
+      float scores[kTiles][kKeyTiles8][4] = {};
 #pragma unroll
       for (int step = 0; step < kDimSteps; ++step)
 #pragma unroll
@@ -142,83 +155,102 @@ __global__ void __launch_bounds__(kThreads, 1)
           uint32_t k_fragments[4];  // b0, b1 of key tile 2·pair, then of 2·pair + 1
           load_matrices(k_fragments,
                         k_tile + tile_offset<kDh>(pair * 16 + lane / 16 * 8 + lane % 8, 2 * step + lane / 8 % 2));
-          mma_bf16(scores[2 * pair], q_fragments[step], k_fragments[0], k_fragments[1]);
-          mma_bf16(scores[2 * pair + 1], q_fragments[step], k_fragments[2], k_fragments[3]);
-        }
-      if (first_key + kKeyRows - 1 > start + warp_token) {  // some key here is past some row's last
 #pragma unroll
-        for (int t8 = 0; t8 < kKeyTiles8; ++t8)
-#pragma unroll
-          for (int i = 0; i < 4; ++i)
-            if (first_key + t8 * 8 + (lane % 4) * 2 + (i & 1) > start + (i < 2 ? token_lo : token_hi))
-              scores[t8][i] = -INFINITY;
-      }
-      // Online softmax in the log2 domain. Position 0 is visible to every row and tile 0 comes
-      // first, so each row's max is finite from the first tile on.
-      float correction[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float tile_max = -INFINITY;
-#pragma unroll
-        for (int t8 = 0; t8 < kKeyTiles8; ++t8)
-          tile_max = fmaxf(tile_max, fmaxf(scores[t8][2 * r], scores[t8][2 * r + 1]));
-        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-        const float new_max = fmaxf(row_max[r], tile_max);
-        correction[r] = exp2f((row_max[r] - new_max) * scale_log2);
-        row_max[r] = new_max;
-        const float max_scaled = new_max * scale_log2;
-        float sum = 0.0f;
-#pragma unroll
-        for (int t8 = 0; t8 < kKeyTiles8; ++t8)
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const float p = exp2f(fmaf(scores[t8][2 * r + c], scale_log2, -max_scaled));
-            scores[t8][2 * r + c] = p;
-            sum += p;
+          for (int m = 0; m < kTiles; ++m) {
+            mma_bf16(scores[m][2 * pair], q_fragments[m][step], k_fragments[0], k_fragments[1]);
+            mma_bf16(scores[m][2 * pair + 1], q_fragments[m][step], k_fragments[2], k_fragments[3]);
           }
-        row_sum[r] = row_sum[r] * correction[r] + sum;  // this lane's columns; the quad's sum at the end
+        }
+#pragma unroll
+      for (int m = 0; m < kTiles; ++m) {
+        const int32_t tile_token = warp_token + 16 * m;       // the row tile's first token
+        if (first_key + kKeyRows - 1 > start + tile_token) {  // some key here is past some row's last
+          const int32_t token_lo = tile_token + lane / 4, token_hi = token_lo + 8;  // this lane's two rows
+#pragma unroll
+          for (int t8 = 0; t8 < kKeyTiles8; ++t8)
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+              if (first_key + t8 * 8 + (lane % 4) * 2 + (i & 1) > start + (i < 2 ? token_lo : token_hi))
+                scores[m][t8][i] = -INFINITY;
+        }
+        // Online softmax in the log2 domain. Position 0 is visible to every row and tile 0 comes
+        // first, so each row's max is finite from the first tile on; a later tile wholly masked for
+        // a row leaves its max as it was and adds exp2(-inf) = 0.
+        float correction[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float tile_max = -INFINITY;
+#pragma unroll
+          for (int t8 = 0; t8 < kKeyTiles8; ++t8)
+            tile_max = fmaxf(tile_max, fmaxf(scores[m][t8][2 * r], scores[m][t8][2 * r + 1]));
+          tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+          tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+          const float new_max = fmaxf(row_max[m][r], tile_max);
+          correction[r] = exp2f((row_max[m][r] - new_max) * scale_log2);
+          row_max[m][r] = new_max;
+          const float max_scaled = new_max * scale_log2;
+          float sum = 0.0f;
+#pragma unroll
+          for (int t8 = 0; t8 < kKeyTiles8; ++t8)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              const float p = exp2f(fmaf(scores[m][t8][2 * r + c], scale_log2, -max_scaled));
+              scores[m][t8][2 * r + c] = p;
+              sum += p;
+            }
+          row_sum[m][r] = row_sum[m][r] * correction[r] + sum;  // this lane's columns; the quad's sum at the end
+        }
+#pragma unroll
+        for (int d8 = 0; d8 < kDh / 8; ++d8)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) o[m][d8][i] *= correction[i / 2];
       }
-#pragma unroll
-      for (int d8 = 0; d8 < kDh / 8; ++d8)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) o[d8][i] *= correction[i / 2];
 #pragma unroll
       for (int step = 0; step < kKeyRows / 16; ++step) {
-        const uint32_t p_fragment[4] = {pack_bf16(scores[2 * step][0], scores[2 * step][1]),
-                                        pack_bf16(scores[2 * step][2], scores[2 * step][3]),
-                                        pack_bf16(scores[2 * step + 1][0], scores[2 * step + 1][1]),
-                                        pack_bf16(scores[2 * step + 1][2], scores[2 * step + 1][3])};
+        uint32_t p_fragments[kTiles][4];
+#pragma unroll
+        for (int m = 0; m < kTiles; ++m) {
+          p_fragments[m][0] = pack_bf16(scores[m][2 * step][0], scores[m][2 * step][1]);
+          p_fragments[m][1] = pack_bf16(scores[m][2 * step][2], scores[m][2 * step][3]);
+          p_fragments[m][2] = pack_bf16(scores[m][2 * step + 1][0], scores[m][2 * step + 1][1]);
+          p_fragments[m][3] = pack_bf16(scores[m][2 * step + 1][2], scores[m][2 * step + 1][3]);
+        }
 #pragma unroll
         for (int pair = 0; pair < kDh / 16; ++pair) {
           uint32_t v_fragments[4];  // b0, b1 of dim tile 2·pair, then of 2·pair + 1
           load_matrices_transposed(
               v_fragments, v_tile + tile_offset<kDh>(step * 16 + lane / 8 % 2 * 8 + lane % 8, 2 * pair + lane / 16));
-          mma_bf16(o[2 * pair], p_fragment, v_fragments[0], v_fragments[1]);
-          mma_bf16(o[2 * pair + 1], p_fragment, v_fragments[2], v_fragments[3]);
+#pragma unroll
+          for (int m = 0; m < kTiles; ++m) {
+            mma_bf16(o[m][2 * pair], p_fragments[m], v_fragments[0], v_fragments[1]);
+            mma_bf16(o[m][2 * pair + 1], p_fragments[m], v_fragments[2], v_fragments[3]);
+          }
         }
       }
     }
     __syncthreads();  // the next iteration loads into the buffer read here
   }
 
-  // Normalize, stage the warp's 16 rows in its own rows of q_tile (its Q fragments are in
-  // registers), then write whole 16-byte pieces of each token's row of out.
+  // Normalize, stage the warp's rows in its own rows of q_tile (its Q fragments are in registers),
+  // then write whole 16-byte pieces of each token's row of out.
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
-    row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
-    const float inv_sum = 1.0f / row_sum[r];
-    const int row = warp_row + lane / 4 + 8 * r;
+  for (int m = 0; m < kTiles; ++m)
 #pragma unroll
-    for (int d8 = 0; d8 < kDh / 8; ++d8)
-      *reinterpret_cast<uint32_t*>(q_tile + tile_offset<kDh>(row, d8) + (lane % 4) * 2) =
-          pack_bf16(o[d8][2 * r] * inv_sum, o[d8][2 * r + 1] * inv_sum);
-  }
+    for (int r = 0; r < 2; ++r) {
+      float total = row_sum[m][r];
+      total += __shfl_xor_sync(0xffffffffu, total, 1);
+      total += __shfl_xor_sync(0xffffffffu, total, 2);
+      const float inv_sum = 1.0f / total;
+      const int row = warp_row + 16 * m + lane / 4 + 8 * r;
+#pragma unroll
+      for (int d8 = 0; d8 < kDh / 8; ++d8)
+        *reinterpret_cast<uint32_t*>(q_tile + tile_offset<kDh>(row, d8) + (lane % 4) * 2) =
+            pack_bf16(o[m][d8][2 * r] * inv_sum, o[m][d8][2 * r + 1] * inv_sum);
+    }
   __syncwarp();
-  static_assert(16 * kChunks % 32 == 0, "every lane writes the same number of chunks");
+  static_assert(kWarpRows * kChunks % 32 == 0, "every lane writes the same number of chunks");
 #pragma unroll
-  for (int k = 0; k < 16 * kChunks / 32; ++k) {
+  for (int k = 0; k < kWarpRows * kChunks / 32; ++k) {
     const int i = lane + 32 * k, row = i / kChunks, chunk = i % kChunks;
     const int32_t token = warp_token + row;
     if (token < s.tokens)
@@ -230,7 +262,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 template <int kDh>
 void launch_fused(const bf16* q, const bf16* keys, const bf16* values, const AttentionShape& shape, int32_t start,
                   float scale, bf16* out, cudaStream_t stream) {
-  constexpr int kSharedBytes = (kQueryRows + 4 * kKeyRows) * kDh * static_cast<int>(sizeof(bf16));
+  constexpr int kRows = kQueryRows<kDh>;
+  constexpr int kSharedBytes = (kRows + 4 * kKeyRows) * kDh * static_cast<int>(sizeof(bf16));
+  TWELL_REQUIRE((shape.tokens + kRows - 1) / kRows <= 65535,
+                "fused prefill attention: n = {} tokens exceed the grid's {} tiles of {}", shape.tokens, 65535, kRows);
   static const bool opted_in = [] {  // once per head dim: 80 KB at Dh 128 is past the default 48 KB
     TWELL_CUDA_CHECK(cudaFuncSetAttribute(fused_prefill_attention_kernel<kDh>,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes));
@@ -238,7 +273,7 @@ void launch_fused(const bf16* q, const bf16* keys, const bf16* values, const Att
   }();
   (void)opted_in;
   const dim3 grid(static_cast<unsigned>(shape.batch * shape.n_heads),
-                  static_cast<unsigned>((shape.tokens + kQueryRows - 1) / kQueryRows));
+                  static_cast<unsigned>((shape.tokens + kRows - 1) / kRows));
   const float scale_log2 = scale * 1.4426950408889634f;  // exp(x) = exp2(x·log2 e)
   fused_prefill_attention_kernel<kDh>
       <<<grid, kThreads, kSharedBytes, stream>>>(q, keys, values, shape, start, scale_log2, out);
@@ -270,9 +305,6 @@ void fused_prefill_attention(const bf16* q, const bf16* keys, const bf16* values
   require_shape(shape, start);
   TWELL_REQUIRE(fused_prefill_attention_supports(shape.head_dim),
                 "fused prefill attention: head_dim must be 16, 32, 64 or 128, got {}", shape.head_dim);
-  TWELL_REQUIRE((shape.tokens + kQueryRows - 1) / kQueryRows <= 65535,
-                "fused prefill attention: n = {} tokens exceed the grid's {} tiles of {}", shape.tokens, 65535,
-                kQueryRows);
   switch (shape.head_dim) {
     case 16:
       return launch_fused<16>(q, keys, values, shape, start, scale, out, stream);

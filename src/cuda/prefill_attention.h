@@ -18,9 +18,9 @@
 
 namespace twell::cuda {
 
-// Flash-style: one block per (sequence, query head, 64 query tokens) streams the visible keys and
-// values through shared memory, tensor-core products, online softmax in fp32. No scores buffer;
-// reads no cache position at or past start + n.
+// Flash-style: one block per (sequence, query head, 128 query tokens; 64 at Dh 128) streams the
+// visible keys and values through shared memory, tensor-core products, online softmax in fp32. No
+// scores buffer; reads no cache position at or past start + n.
 bool fused_prefill_attention_supports(int32_t head_dim);  // 16, 32, 64, 128
 void fused_prefill_attention(const bf16* q, const bf16* keys, const bf16* values,
                              const model_kernels::AttentionShape& shape, int32_t start, float scale, bf16* out,
