@@ -236,12 +236,16 @@ TEST_F(CudaModelTest, OrderedNeuronsSplitPathsMatchCpu) {
     calls.dense += pass_calls.dense;
     calls.split += pass_calls.split;
     calls.measured += pass_calls.measured;
+    calls.hot_neurons += pass_calls.hot_neurons;
   }
   std::printf("[ ordered neurons ] worst logits relative L2, CUDA vs CPU: %.3g; FFN calls: %lld TwELL (%lld splits), "
               "%lld dense, %lld timing runs\n",
               worst, static_cast<long long>(calls.twell), static_cast<long long>(calls.split),
               static_cast<long long>(calls.dense), static_cast<long long>(calls.measured));
   EXPECT_GT(calls.split, 0);  // the split paths ran (their timing runs at least) and were checked
+  // Each split kept some but not all neurons dense: one of the hot fractions of H.
+  EXPECT_GT(calls.hot_neurons, 0);
+  EXPECT_LT(calls.hot_neurons, calls.split * config.d_hidden);
 
   // A host ordered after the GPU copy was made no longer matches it: its sign bits are refused.
   Model late(config, make_synthetic_weights(config, 0.05, 13));

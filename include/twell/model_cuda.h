@@ -56,9 +56,10 @@ class CudaModel {
   void set_ffn_dispatch(bool enabled);
   // FFN calls of the twell path (and of predict steps over 16 rows) since reset(), by what they ran:
   // TwELL (split among them: its hot neurons densely beside it) or dense; measured: how many were
-  // SparseFfn's own timing runs rather than its choice (a benchmark warms up until none are).
+  // SparseFfn's own timing runs rather than its choice (a benchmark warms up until none are);
+  // hot_neurons: the splits' dense neurons, summed over the split calls.
   struct FfnCalls {
-    int64_t twell = 0, dense = 0, split = 0, measured = 0;
+    int64_t twell = 0, dense = 0, split = 0, measured = 0, hot_neurons = 0;
   };
   FfnCalls sparse_ffn_calls() const;
   // GPU time per stage of the steps that run eagerly (a prefill; decode steps outside a graph) while

@@ -183,7 +183,10 @@ struct CudaModel::Impl {
     else {
       sparse->run(normed.data(), rows, layer.ffn, ffn_out.data(), stream);
       ++(sparse->last_call_was_dense() ? sparse_calls.dense : sparse_calls.twell);
-      if (sparse->last_hot_neurons() > 0) ++sparse_calls.split;
+      if (sparse->last_hot_neurons() > 0) {
+        ++sparse_calls.split;
+        sparse_calls.hot_neurons += sparse->last_hot_neurons();
+      }
       if (sparse->last_call_measured()) ++sparse_calls.measured;
     }
     mk::add_residual(hidden.data(), ffn_out.data(), count, stream);
