@@ -15,7 +15,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kRopeThreads = 256;
-constexpr int kRopeBatch = 8;  // items a qkv_rope thread loads before it stores
 constexpr int kDecodeThreads = 128;
 // Rows (key and value) a decode-attention thread loads before it waits for any of them.
 constexpr int kDecodeRowsPerLoad = 4;
@@ -107,25 +106,20 @@ __device__ __forceinline__ RopeAngle rope_angle(int32_t i, int32_t dh, int32_t p
   return {cosf(angle), sinf(angle)};
 }
 
-// (x0, x1): elements i and i + Dh/2 of the head, the bias added.
-__device__ __forceinline__ RotatedPair rotate_pair(float x0, float x1, RopeAngle a) {
+__device__ __forceinline__ RotatedPair rotate_pair(const bf16* row, const float* bias, int64_t head_column, int32_t i,
+                                                   int32_t dh, RopeAngle a) {
+  const float x0 = qkv_element(row, bias, head_column + i), x1 = qkv_element(row, bias, head_column + i + dh / 2);
   // x0·c − x1·s and x1·c + x0·s with the roundings spelled out: left to the compiler, the products
   // may be contracted into FMAs differently in each kernel this is inlined into. These are the
   // contractions nvcc had chosen for qkv_rope.
   return {to_bf16(__fmaf_rn(x0, a.cosine, -__fmul_rn(x1, a.sine))),
           to_bf16(__fmaf_rn(x0, a.sine, __fmul_rn(x1, a.cosine)))};
 }
-__device__ __forceinline__ RotatedPair rotate_pair(const bf16* row, const float* bias, int64_t head_column, int32_t i,
-                                                   int32_t dh, RopeAngle a) {
-  return rotate_pair(qkv_element(row, bias, head_column + i), qkv_element(row, bias, head_column + i + dh / 2), a);
-}
 
 // One block per row [q heads | k heads | v heads]. A thread takes one pair index i and every
 // (blockDim / half)-th head from its first, so that an angle is computed once for several heads
 // (one thread per pair computed it H_q + H_kv = 64 times per row at the 2B shape); adjacent threads
-// read adjacent elements of a head. Then the values, copied to the cache. Both read kRopeBatch
-// items before they store any: the stores might alias the row as far as the compiler knows, and a
-// load-store loop waits a memory round trip per item.
+// read adjacent elements of a head. Then the values, copied to the cache.
 __global__ void qkv_rope_kernel(const bf16* qkv, const float* bias, AttentionShape s, const int32_t* length,
                                 float rope_theta, bf16* q, bf16* k_cache, bf16* v_cache) {
   begin_programmatic();
@@ -138,39 +132,19 @@ __global__ void qkv_rope_kernel(const bf16* qkv, const float* bias, AttentionSha
   for (int32_t slot = threadIdx.x; slot < half * min(head_step, heads); slot += blockDim.x) {
     const int32_t i = slot % half;
     const RopeAngle angle = rope_angle(i, dh, position, rope_theta);
-    for (int32_t first = slot / half; first < heads; first += kRopeBatch * head_step) {  // q heads, then k heads
-      float x0[kRopeBatch], x1[kRopeBatch];
-#pragma unroll
-      for (int k = 0; k < kRopeBatch; ++k)
-        if (const int64_t column = int64_t{first + k * head_step} * dh + i; first + k * head_step < heads) {
-          x0[k] = qkv_element(in, bias, column);
-          x1[k] = qkv_element(in, bias, column + half);
-        }
-#pragma unroll
-      for (int k = 0; k < kRopeBatch; ++k)
-        if (const int32_t head = first + k * head_step; head < heads) {
-          bf16* out =
-              head < s.n_heads
-                  ? q + ((int64_t{b} * s.n_heads + head) * s.tokens + t) * dh
-                  : k_cache + ((int64_t{b} * s.n_kv_heads + (head - s.n_heads)) * s.cache_stride + position) * dh;
-          const RotatedPair rotated = rotate_pair(x0[k], x1[k], angle);
-          out[i] = rotated.low;
-          out[i + half] = rotated.high;
-        }
+    for (int32_t head = slot / half; head < heads; head += head_step) {  // q heads, then k heads
+      bf16* out = head < s.n_heads
+                      ? q + ((int64_t{b} * s.n_heads + head) * s.tokens + t) * dh
+                      : k_cache + ((int64_t{b} * s.n_kv_heads + (head - s.n_heads)) * s.cache_stride + position) * dh;
+      const RotatedPair rotated = rotate_pair(in, bias, int64_t{head} * dh, i, dh, angle);
+      out[i] = rotated.low;
+      out[i + half] = rotated.high;
     }
   }
-  for (int64_t first = threadIdx.x; first < kv_width; first += int64_t{kRopeBatch} * blockDim.x) {
-    float value[kRopeBatch];
-#pragma unroll
-    for (int k = 0; k < kRopeBatch; ++k)
-      if (const int64_t element = first + k * blockDim.x; element < kv_width)
-        value[k] = qkv_element(in, bias, q_width + kv_width + element);
-#pragma unroll
-    for (int k = 0; k < kRopeBatch; ++k)
-      if (const int64_t element = first + k * blockDim.x; element < kv_width) {
-        const int64_t head = element / dh, d = element % dh;
-        v_cache[((b * s.n_kv_heads + head) * s.cache_stride + position) * dh + d] = to_bf16(value[k]);
-      }
+  for (int32_t element = threadIdx.x; element < kv_width; element += blockDim.x) {
+    const int32_t head = element / dh, d = element % dh;
+    v_cache[((int64_t{b} * s.n_kv_heads + head) * s.cache_stride + position) * dh + d] =
+        to_bf16(qkv_element(in, bias, q_width + kv_width + element));
   }
 }
 
