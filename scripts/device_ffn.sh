@@ -4,7 +4,7 @@
 #   scripts/pack_device.sh kern   (twell, twell_tests and the labs of ./build)
 #   run: scripts/device_ffn.sh .carry/kern   (carry [".carry/kern"])
 # One log ($OUT/device.log) and the JSON records go to $OUT (at most 8 files come back). STEPS picks a
-# subset: check,tests,bench,sanitize,grid,model,train (default all but model and train).
+# subset: check,tests,bench,sanitize,grid,attention,model,train (default all but attention, model and train).
 # Other lab_twell_ffn_* binaries beside lab_twell_ffn (variants built for a comparison) are checked
 # and timed (M = 16384, 0.5% and 2%) too.
 set -o pipefail
@@ -80,6 +80,15 @@ if step grid; then
     IFS=x read -r d h <<< "$shape"
     "$bin/twell" bench ffn --device cuda --m ${GRID_SHAPE_M:-4096,16384} --d "$d" --h "$h" --density 0.005,0.02,0.1 \
       --reps 30 --json "$out/grid_${d}_$h.json" 2>&1 | tee -a "$log" || status=1
+  done
+fi
+if step attention; then
+  # The prefill attention (lab_prefill_attention*: a variant carried beside the library's one is
+  # checked and timed too) on the 2B layer and a grouped Dh 128 shape.
+  for lab in "$bin"/lab_prefill_attention*; do
+    echo "== $(basename "$lab")" | tee -a "$log"
+    "$lab" 64 2048 32 32 64 0 20 2>&1 | tee -a "$log" || status=1
+    "$lab" 16 2048 32 8 128 0 20 2>&1 | tee -a "$log" || status=1
   done
 fi
 if step model; then
