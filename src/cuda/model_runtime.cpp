@@ -183,9 +183,9 @@ struct CudaModel::Impl {
     else {
       sparse->run(normed.data(), rows, layer.ffn, ffn_out.data(), stream);
       ++(sparse->last_call_was_dense() ? sparse_calls.dense : sparse_calls.twell);
-      if (sparse->last_hot_neurons() > 0) {
+      if (const int32_t hot = sparse->last_hot_neurons(); hot > 0) {
         ++sparse_calls.split;
-        sparse_calls.hot_neurons += sparse->last_hot_neurons();
+        sparse_calls.hot_neurons += hot;
       }
       if (sparse->last_call_measured()) ++sparse_calls.measured;
     }
