@@ -117,6 +117,8 @@ TEST(PrefillAttentionRefusals, NameTheProblem) {
   EXPECT_THROW(cuda::fused_prefill_attention(nullptr, nullptr, nullptr, past_cache, 3, 1.0f, nullptr, nullptr), Error);
   const AttentionShape bad_group{1, 4, 3, 2, 64, 8};
   EXPECT_THROW(cuda::fused_prefill_attention(nullptr, nullptr, nullptr, bad_group, 0, 1.0f, nullptr, nullptr), Error);
+  const AttentionShape past_grid{1 << 23, 2048, 32, 32, 64, 2048};  // 2^32 blocks of 128 tokens
+  EXPECT_THROW(cuda::fused_prefill_attention(nullptr, nullptr, nullptr, past_grid, 0, 1.0f, nullptr, nullptr), Error);
 }
 
 }  // namespace

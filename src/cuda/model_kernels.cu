@@ -75,10 +75,14 @@ __global__ void rms_norm_kernel(const float* x, int64_t first, int64_t step, int
   __shared__ float scratch[32];
   const float* row = x + (first + blockIdx.x * step) * d_model;
   float sum_squares = 0;
+  // Unrolled so that a thread's loads are in flight together (ncu, 2B prefill rows on an H100:
+  // one load per round trip held the kernel at 1.8 TB/s, 31 cycles per issued instruction).
+#pragma unroll 8
   for (int32_t k = threadIdx.x; k < d_model; k += blockDim.x) sum_squares += row[k] * row[k];
   sum_squares = block_reduce<false>(sum_squares, scratch);
   const float inv_rms = 1.0f / sqrtf(sum_squares / d_model + eps);
   bf16* out = y + static_cast<int64_t>(blockIdx.x) * d_model;
+#pragma unroll 8
   for (int32_t k = threadIdx.x; k < d_model; k += blockDim.x) out[k] = to_bf16(weight[k] * (row[k] * inv_rms));
 }
 
@@ -141,10 +145,25 @@ __global__ void qkv_rope_kernel(const bf16* qkv, const float* bias, AttentionSha
       out[i + half] = rotated.high;
     }
   }
-  for (int32_t element = threadIdx.x; element < kv_width; element += blockDim.x) {
+  // The values by 16-byte pieces where Dh allows (the row and the cache rows are then 16-byte
+  // aligned): one division per 8 elements. Per element, the divisions were most of the kernel's
+  // instructions, and ncu found it instruction-bound.
+  const int32_t piece = dh % 8 == 0 ? 8 : 1;
+  for (int32_t element = threadIdx.x * piece; element < kv_width; element += blockDim.x * piece) {
     const int32_t head = element / dh, d = element % dh;
-    v_cache[((int64_t{b} * s.n_kv_heads + head) * s.cache_stride + position) * dh + d] =
-        to_bf16(qkv_element(in, bias, q_width + kv_width + element));
+    bf16* out = v_cache + ((int64_t{b} * s.n_kv_heads + head) * s.cache_stride + position) * dh + d;
+    const int64_t column = q_width + kv_width + element;
+    if (piece == 1) {
+      *out = to_bf16(qkv_element(in, bias, column));
+      continue;
+    }
+    uint4 values = *reinterpret_cast<const uint4*>(in + column);
+    if (bias) {
+      bf16* v = reinterpret_cast<bf16*>(&values);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = to_bf16(to_float(v[j]) + bias[column + j]);
+    }
+    *reinterpret_cast<uint4*>(out) = values;
   }
 }
 

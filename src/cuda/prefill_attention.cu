@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "cuda/warp_math.cuh"
 #include "twell/error.h"
@@ -24,7 +25,10 @@ using model_kernels::AttentionShape;
 //   O [16, Dh] = O·correction + P [16, 64] · V [64, Dh]   (P: S's accumulators rounded to bf16)
 // Two row tiles per warp (Dh <= 64) share each K and V fragment read from shared memory, half the
 // ldmatrix traffic per MMA of one. At Dh 128 a second tile's accumulators would not fit in registers.
-// Tiles of tokens are launched longest first (most visible keys), so the short ones fill the tail.
+// Blocks run head after head (a 1-D grid), each head's token tiles longest first (most visible
+// keys): the blocks in flight then share their heads' keys and values in L2, and short tiles fill
+// the tail. (With the token tile as the slow grid index, the tiles of a head ran a whole grid row
+// apart: ncu on the 2B layer, H100, saw 7% L2 hits and 69% of the DRAM bandwidth.)
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kKeyRows = 64;  // Bc
@@ -94,8 +98,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   bf16* k_tiles = q_tile + kRows * kDh;                   // [2][Bc, Dh]
   bf16* v_tiles = k_tiles + 2 * kKeyRows * kDh;           // [2][Bc, Dh]
 
-  const int32_t b = blockIdx.x / s.n_heads, h = blockIdx.x % s.n_heads;
-  const int32_t first_token = (gridDim.y - 1 - blockIdx.y) * kRows;
+  const int32_t token_tiles = (s.tokens + kRows - 1) / kRows;
+  const int32_t head_index = blockIdx.x / token_tiles;  // b·H_q + h
+  const int32_t b = head_index / s.n_heads, h = head_index % s.n_heads;
+  const int32_t first_token = (token_tiles - 1 - blockIdx.x % token_tiles) * kRows;
   const int32_t kv_head = h / (s.n_heads / s.n_kv_heads);
   const int64_t cache_base = (int64_t{b} * s.n_kv_heads + kv_head) * s.cache_stride * kDh;
   keys += cache_base;
@@ -264,16 +270,17 @@ void launch_fused(const bf16* q, const bf16* keys, const bf16* values, const Att
                   float scale, bf16* out, cudaStream_t stream) {
   constexpr int kRows = kQueryRows<kDh>;
   constexpr int kSharedBytes = (kRows + 4 * kKeyRows) * kDh * static_cast<int>(sizeof(bf16));
-  TWELL_REQUIRE((shape.tokens + kRows - 1) / kRows <= 65535,
-                "fused prefill attention: n = {} tokens exceed the grid's {} tiles of {}", shape.tokens, 65535, kRows);
+  const int64_t blocks = int64_t{shape.batch} * shape.n_heads * ((shape.tokens + kRows - 1) / kRows);
+  TWELL_REQUIRE(blocks <= std::numeric_limits<int32_t>::max(),
+                "fused prefill attention: B {} x H_q {} x n {} needs {} blocks, more than a grid holds", shape.batch,
+                shape.n_heads, shape.tokens, blocks);
   static const bool opted_in = [] {  // once per head dim: 80 KB at Dh 128 is past the default 48 KB
     TWELL_CUDA_CHECK(cudaFuncSetAttribute(fused_prefill_attention_kernel<kDh>,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes));
     return true;
   }();
   (void)opted_in;
-  const dim3 grid(static_cast<unsigned>(shape.batch * shape.n_heads),
-                  static_cast<unsigned>((shape.tokens + kRows - 1) / kRows));
+  const dim3 grid(static_cast<unsigned>(blocks));
   const float scale_log2 = scale * 1.4426950408889634f;  // exp(x) = exp2(x·log2 e)
   fused_prefill_attention_kernel<kDh>
       <<<grid, kThreads, kSharedBytes, stream>>>(q, keys, values, shape, start, scale_log2, out);
