@@ -174,28 +174,67 @@ TEST_F(CudaFfnFromTwell, SplitPathsOnSortedWeightsGiveTheFfn) {
   EXPECT_THROW(cuda::SparseFfn({.hot_fractions = {1.0}}), Error);
 }
 
-// A split path taken at one density is not kept blindly when the input changes: its sparse part's
-// density moves to another bucket, so a call runs plain TwELL to observe the layer's density (the
-// split calls alone would leave the dispatch keyed by the old density for good).
+// Rewrites a layer's weights in place, so that the dispatch still sees the same layer.
+void overwrite(cuda::DeviceFfnWeights& layer, const FfnWeights& weights) {
+  const cuda::DeviceFfnWeights source = cuda::upload_weights(weights);
+  const size_t bytes = static_cast<size_t>(layer.d_hidden) * layer.d_model * sizeof(bf16);
+  for (const auto& [to, from] : {std::pair{layer.gate.get(), source.gate.get()}, std::pair{layer.up.get(), source.up.get()},
+                                 std::pair{layer.down.get(), source.down.get()}})
+    ASSERT_EQ(cudaMemcpy(to, from, bytes, cudaMemcpyDeviceToDevice), cudaSuccess);
+}
+
+// A split path taken at one density is not kept blindly when the layer's input changes: its sparse
+// part's density moves to another bucket, so a call runs plain TwELL to observe the layer's density
+// (the split calls alone would leave the dispatch keyed by the old density for good).
 TEST_F(CudaFfnFromTwell, SplitIsRecheckedWhenTheDensityChanges) {
   cuda::SparseFfn ffn({.tile = 128, .compression = 4, .allow_dense = false, .hot_fractions = {0.9}});
-  const auto calls = [&](double density, int count) {
-    const WorkloadSpec spec{.rows = 4096, .d_model = 512, .d_hidden = 4096, .density = density, .seed = 31};
-    const Workload work = make_workload(spec);
-    const cuda::DeviceFfnWeights weights = cuda::upload_weights(work.weights);
+  const auto spec = [](double density) {
+    return WorkloadSpec{.rows = 4096, .d_model = 512, .d_hidden = 4096, .density = density, .seed = 31};
+  };
+  const Workload dense_input = make_workload(spec(0.3)), sparse_input = make_workload(spec(0.002));
+  cuda::DeviceFfnWeights layer = cuda::upload_weights(dense_input.weights);
+  const cuda::DeviceArray<bf16> y = cuda::make_device_array<bf16>(dense_input.x.size());
+  const auto calls = [&](const Workload& work, int count) {
+    overwrite(layer, work.weights);
     const cuda::DeviceArray<bf16> x = cuda::upload_bf16(work.x.data(), work.x.size());
-    const cuda::DeviceArray<bf16> y = cuda::make_device_array<bf16>(work.x.size());
     std::set<int32_t> hot_seen;
     for (int call = 0; call < count; ++call) {
-      ffn.run(x.get(), spec.rows, weights, y.get());
+      ffn.run(x.get(), work.spec.rows, layer, y.get());
       hot_seen.insert(ffn.last_hot_neurons());
     }
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     return std::pair{hot_seen, ffn.last_hot_neurons()};
   };
   // At 30% TwELL is several times slower than a split running 90% of H densely (29 tiles of 128).
-  EXPECT_EQ(calls(0.3, 6).second, 3712);
-  EXPECT_TRUE(calls(0.002, 8).first.contains(0));
+  EXPECT_EQ(calls(dense_input, 6).second, 3712);
+  EXPECT_TRUE(calls(sparse_input, 8).first.contains(0));
+}
+
+// A model shares one SparseFfn among its layers: a split call's sparse density is compared with its
+// own layer's earlier calls, not another layer's. Two layers whose sparse parts lie 2 buckets apart
+// (a factor of 4), both taking the split, run it call after call once the paths are timed. Compared
+// across layers, every other call here was a recheck of plain TwELL; in the 2B forward one FFN call
+// in 38 was, and those forwards' FFN stage took ~45 ms more (docs/perf-notes.md).
+TEST_F(CudaFfnFromTwell, LayersOfDifferentDensitiesKeepTheirSplitsWithoutRechecks) {
+  cuda::SparseFfn ffn({.tile = 128, .compression = 4, .allow_dense = false, .hot_fractions = {0.9}});
+  std::vector<Workload> inputs;
+  std::vector<cuda::DeviceFfnWeights> layers;
+  std::vector<cuda::DeviceArray<bf16>> xs;
+  for (const double density : {0.4, 0.1}) {
+    inputs.push_back(make_workload({.rows = 4096, .d_model = 512, .d_hidden = 4096, .density = density, .seed = 32}));
+    layers.push_back(cuda::upload_weights(inputs.back().weights));
+    xs.push_back(cuda::upload_bf16(inputs.back().x.data(), inputs.back().x.size()));
+  }
+  const cuda::DeviceArray<bf16> y = cuda::make_device_array<bf16>(inputs[0].x.size());
+  for (int call = 0; call < 40; ++call) {
+    const size_t layer = call % 2;
+    ffn.run(xs[layer].get(), 4096, layers[layer], y.get());
+    if (call < 30) continue;
+    SCOPED_TRACE(testing::Message() << "call " << call << ", layer " << layer);
+    EXPECT_FALSE(ffn.last_call_measured());
+    EXPECT_EQ(ffn.last_hot_neurons(), 3712);
+  }
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }
 
 TEST_F(CudaFfnFromTwell, ViewsOfNeuronRangesStayInside) {

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <tuple>
 #include <utility>
 #include <memory>
 #include <vector>
@@ -202,7 +203,8 @@ class DenseFfn {
 // neurons are sorted by how often they are active (sort_neurons_by_activity, host_tensors.h): the
 // few neurons active for many tokens then cost a dense GEMM's share instead of two weight rows per
 // non-zero. A split call measures only its sparse part's density, so it does not update the layer's;
-// it is compared with the one its path saw when first run in the bucket, and when its density bucket
+// it is compared with the one its path saw when first run in the bucket on the same weights (a model
+// shares one SparseFfn among its layers, whose densities differ), and when its density bucket
 // differs by 2 or more (the input changed by a factor of 4; one bucket is the call-to-call noise of
 // few rows), the next call runs plain TwELL to observe the layer's density again.
 // The two parts of a split run side by side (split_side_stream): TwELL writes y on the caller's
@@ -257,6 +259,7 @@ class SparseFfn {
     int64_t rows = 0;
     int32_t hot = 0;      // > 0: a split call's packing (its density is not the layer's)
     int64_t bucket = 0;   // the bucket the call was dispatched in
+    const void* layer = nullptr;  // the weights it ran on (their relu projection)
   };
   static constexpr int kCounterSlots = 4;
   // Reads the newest finished slot (waits for the oldest only when all kCounterSlots are in flight
@@ -269,8 +272,8 @@ class SparseFfn {
   std::map<int64_t, std::vector<float>> timings_;  // per bucket: median ms per path, < 0 unmeasured
   double last_nnz_per_row_ = -1;  // unknown before the first TwELL call's counters arrive
   int64_t current_bucket_ = 0;    // of the call being issued
-  // Per (bucket, hot neurons): the density bucket of the split's sparse part when first seen.
-  std::map<std::pair<int64_t, int32_t>, int64_t> split_density_buckets_;
+  // Per (bucket, hot neurons, layer): the density bucket of the split's sparse part when first seen.
+  std::map<std::tuple<int64_t, int32_t, const void*>, int64_t> split_density_buckets_;
   bool recheck_density_ = false;  // a split call saw a density 2 buckets off: the next call runs TwELL
   int last_path_ = kTwellPath;
   int32_t last_hot_neurons_ = 0;

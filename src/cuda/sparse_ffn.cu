@@ -60,7 +60,8 @@ void SparseFfn::read_counters() {
     } else {
       // Two buckets apart (a factor of 4 in density): one apart is the call-to-call noise of few rows
       // (at M = 1 the rotated inputs alone made a split recheck on every other call).
-      const auto [seen, first] = split_density_buckets_.try_emplace({facts.bucket, facts.hot}, density_bucket(nnz_per_row));
+      const auto [seen, first] =
+          split_density_buckets_.try_emplace({facts.bucket, facts.hot, facts.layer}, density_bucket(nnz_per_row));
       if (!first && std::abs(seen->second - density_bucket(nnz_per_row)) >= 2) recheck_density_ = true;
     }
     if (counters.spill_used > packed_.spill_capacity && !packed_.empty())
@@ -111,7 +112,7 @@ void SparseFfn::run_path(int path, const bf16* x, int64_t rows, const DeviceFfnV
   TWELL_CUDA_CHECK(cudaMemcpyAsync(&counters->spill_used, packed_.spill_used.get(), sizeof counters->spill_used,
                                    cudaMemcpyDeviceToHost, stream));
   TWELL_CUDA_CHECK(cudaEventRecord(counters_ready_[slot], stream));
-  slot_facts_[slot] = {rows, hot, current_bucket_};
+  slot_facts_[slot] = {rows, hot, current_bucket_, weights.relu_projection()};
   ++twell_calls_;
 }
 
