@@ -84,6 +84,8 @@ struct PhaseTimes {
   double prefill_twell_fraction = NAN;  // CUDA twell path: share of the prefill FFN calls that ran TwELL
   double prefill_split_fraction = NAN;  // ... that ran a split (hot neurons densely beside TwELL)
   double prefill_split_hot_fraction = NAN;  // the splits' hot neurons as a share of H, mean over them
+  // ... that were the dispatch's own measurements (timed runs, density rechecks): 0 in a steady state
+  double prefill_measured_fraction = NAN;
   int prefill_warmups = 0;
   std::vector<std::pair<std::string, double>> prefill_stage_ms;  // CUDA: one more prefill, by stage
 };
@@ -150,6 +152,7 @@ PhaseTimes time_cuda(cuda::CudaModel& gpu, const BenchModelOptions& options, con
       const auto all = static_cast<double>(calls.twell + calls.dense);
       times.prefill_twell_fraction = static_cast<double>(calls.twell) / all;
       times.prefill_split_fraction = static_cast<double>(calls.split) / all;
+      times.prefill_measured_fraction = static_cast<double>(calls.measured) / all;
       if (calls.split > 0)
         times.prefill_split_hot_fraction =
             static_cast<double>(calls.hot_neurons) / (static_cast<double>(calls.split) * gpu.config().d_hidden);
@@ -327,11 +330,14 @@ void run_bench_model(const BenchModelOptions& options) {
       fmt::print("{:>8} prefill stages, ms (one more prefill, events between stages):{}\n", "", line);
     }
     if (!std::isnan(times.prefill_twell_fraction))
-      fmt::print("{:>8} prefill FFN calls that ran TwELL (the rest dense): {:.0f}%, a split among them: {:.0f}%{}\n", "",
-                 100 * times.prefill_twell_fraction, 100 * times.prefill_split_fraction,
+      fmt::print("{:>8} prefill FFN calls that ran TwELL (the rest dense): {:.0f}%, a split among them: {:.0f}%{}{}\n",
+                 "", 100 * times.prefill_twell_fraction, 100 * times.prefill_split_fraction,
                  std::isnan(times.prefill_split_hot_fraction)
                      ? std::string()
-                     : fmt::format(" (hot neurons {:.1f}% of H)", 100 * times.prefill_split_hot_fraction));
+                     : fmt::format(" (hot neurons {:.1f}% of H)", 100 * times.prefill_split_hot_fraction),
+                 times.prefill_measured_fraction > 0
+                     ? fmt::format("; the dispatch's own measurements: {:.0f}%", 100 * times.prefill_measured_fraction)
+                     : std::string());
     for (const bool is_prefill : {true, false}) {
       BenchRecord record =
           new_bench_record("model", options.device, device_name, name,
@@ -359,6 +365,7 @@ void run_bench_model(const BenchModelOptions& options) {
         if (is_prefill && !std::isnan(times.prefill_twell_fraction)) {
           record.extra["ffn_calls_twell_fraction"] = times.prefill_twell_fraction;
           record.extra["ffn_calls_split_fraction"] = times.prefill_split_fraction;
+          record.extra["ffn_calls_measured_fraction"] = times.prefill_measured_fraction;
           if (!std::isnan(times.prefill_split_hot_fraction))
             record.extra["ffn_split_hot_fraction"] = times.prefill_split_hot_fraction;
         }
