@@ -5,6 +5,8 @@
 #   run: scripts/device_ffn.sh .carry/kern   (carry [".carry/kern"])
 # One log ($OUT/device.log) and the JSON records go to $OUT (at most 8 files come back). STEPS picks a
 # subset: check,tests,bench,sanitize,grid,attention,model,train (default all but attention, model and train).
+# TESTS_FILTER replaces the tests step's gtest filter (TESTS_EXTRA adds to it); MODEL_ORDERS the
+# model step's --order-tokens values (default "0 256").
 # Other lab_twell_ffn_* binaries beside lab_twell_ffn (variants built for a comparison) are checked
 # and timed (M = 16384, 0.5% and 2%) too.
 set -o pipefail
@@ -22,7 +24,8 @@ if step check; then
 fi
 if step tests; then
   # The harness's cuda backend over its sweep, the CUDA FFN tests, the fused kernel's own tests.
-  "$bin/twell_tests" --gtest_brief=1 --gtest_filter="*/cuda*:CudaFfn.*:CudaFfnFromTwell.*${TESTS_EXTRA:+:$TESTS_EXTRA}" \
+  filter=${TESTS_FILTER:-*/cuda*:CudaFfn.*:CudaFfnFromTwell.*}
+  "$bin/twell_tests" --gtest_brief=1 --gtest_filter="$filter${TESTS_EXTRA:+:$TESTS_EXTRA}" \
     > /tmp/tests.log 2>&1 ||
     status=1
   tail -n 40 /tmp/tests.log | tee -a "$log"
@@ -94,7 +97,7 @@ fi
 if step model; then
   # Issue 5's forward (2B shape, 64 x 2048 tokens): the checkpoint's neuron order, then ordered by
   # activity (split paths), in one call so that the ratios share the machine's state.
-  for order in 0 256; do
+  for order in ${MODEL_ORDERS:-0 256}; do
     "$bin/twell" bench model --synthetic 2b --device cuda --batch 64 --prompt-tokens 2048 --decode-tokens 1 \
       --reps 3 --ffn dense,twell --order-tokens $order --json "$out/model_order$order.json" 2>&1 | tee -a "$log" ||
       status=1
