@@ -237,6 +237,30 @@ TEST_F(CudaFfnFromTwell, LayersOfDifferentDensitiesKeepTheirSplitsWithoutRecheck
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }
 
+// A call is keyed by the density last seen at its own M. Here batch-1 calls of a row far denser than
+// the large calls' (the negated row: the workload's threshold input flips too, ~98% of H) come
+// between the large calls. Keyed by the newest density of any M, a large call landed in the bucket
+// of the single row's density, whose TwELL time never arrives (it is stored under the density the
+// timed run measures), so every large call was a timed run again.
+TEST_F(CudaFfnFromTwell, DensityIsKeptPerRowCount) {
+  cuda::SparseFfn ffn({.tile = 128, .compression = 4, .allow_dense = false, .hot_fractions = {0.9}});
+  const Workload work =
+      make_workload({.rows = 4096, .d_model = 512, .d_hidden = 4096, .density = 0.02, .seed = 33});
+  const cuda::DeviceFfnWeights weights = cuda::upload_weights(work.weights);
+  std::vector<float> negated(work.x.begin(), work.x.begin() + work.spec.d_model);
+  for (float& value : negated) value = -value;
+  const cuda::DeviceArray<bf16> x = cuda::upload_bf16(work.x.data(), work.x.size());
+  const cuda::DeviceArray<bf16> row = cuda::upload_bf16(negated.data(), negated.size());
+  const cuda::DeviceArray<bf16> y = cuda::make_device_array<bf16>(work.x.size());
+  for (int call = 0; call < 24; ++call) {
+    const bool large = call % 2 == 0;
+    ffn.run(large ? x.get() : row.get(), large ? 4096 : 1, weights, y.get());
+    if (call < 16) continue;
+    EXPECT_FALSE(ffn.last_call_measured()) << "call " << call << (large ? " (4096 rows)" : " (one row)");
+  }
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
 TEST_F(CudaFfnFromTwell, ViewsOfNeuronRangesStayInside) {
   const WorkloadSpec spec{.rows = 2, .d_model = 64, .d_hidden = 300, .density = 0.1, .seed = 30};
   const test::WorkloadOnDevice d = test::upload_workload(spec);

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <set>
 #include <tuple>
 #include <utility>
 #include <memory>
@@ -184,12 +185,13 @@ class DenseFfn {
 };
 
 // The FFN with dispatch. Rule: for each (M bucket = ceil(log2 M), density bucket = floor(log2(1 +
-// non-zeros per row)) of the latest TwELL packing whose counters have arrived), the first call of a
-// bucket runs TwELL and the second runs dense, each once untimed (one-time costs such as plans and
-// allocations) and then 5 times timed with CUDA events, the median kept (one synchronization each;
-// the median, not the fastest, because one lucky TwELL run flipped M = 16 to a path 14% slower); a
-// TwELL time counts for the bucket of the density that call measured. Later calls in the bucket take
-// the faster, so a call is never slower than dense by more than the timing noise of those runs.
+// non-zeros per row)) of the latest TwELL packing of that M bucket whose counters have arrived), the
+// first call of a bucket runs TwELL and the second runs dense, each once untimed (one-time costs
+// such as plans and allocations) and then 5 times timed with CUDA events, the median kept (one
+// synchronization each; the median, not the fastest, because one lucky TwELL run flipped M = 16 to a
+// path 14% slower); a TwELL time counts for the bucket of the density that call measured. Later
+// calls in the bucket take the faster, so a call is never slower than dense by more than the timing
+// noise of those runs.
 // The packer's counters come back asynchronously through a ring of kCounterSlots pinned slots: a call
 // reads the newest slot whose copy has finished, without waiting; only when the GPU is a whole ring
 // behind does a call wait for the oldest, so the density a call is keyed by is at most kCounterSlots
@@ -206,7 +208,7 @@ class DenseFfn {
 // it is compared with the one its path saw when first run in the bucket on the same weights (a model
 // shares one SparseFfn among its layers, whose densities differ), and when its density bucket
 // differs by 2 or more (the input changed by a factor of 4; one bucket is the call-to-call noise of
-// few rows), the next call runs plain TwELL to observe the layer's density again.
+// few rows), the next call of that M bucket runs plain TwELL to observe the layer's density again.
 // The two parts of a split run side by side (split_side_stream): TwELL writes y on the caller's
 // stream while the dense part's gate and up GEMMs run on a second stream of the op's own; only its
 // down GEMM waits for TwELL's y and adds to it. The tensor-core GEMMs and the L2-bound up+down kernel
@@ -263,18 +265,25 @@ class SparseFfn {
   };
   static constexpr int kCounterSlots = 4;
   // Reads the newest finished slot (waits for the oldest only when all kCounterSlots are in flight
-  // and unread) into last_nnz_per_row_, and grows the spill when that packing overflowed it.
+  // and unread) into nnz_per_row_, and grows the spill when that packing overflowed it.
   void read_counters();
 
   SparseFfnOptions options_;
   DeviceTwell packed_;
   DenseFfn dense_{DenseFfn::kFusedGateMinRows};  // the dense path and a split's dense part
   std::map<int64_t, std::vector<float>> timings_;  // per bucket: median ms per path, < 0 unmeasured
-  double last_nnz_per_row_ = -1;  // unknown before the first TwELL call's counters arrive
+  // Per row bucket (ceil log2 M): non-zeros per row of the newest TwELL packing read at that M; a
+  // call is keyed by its own M's, absent: unknown. One density for all M let a batch-1 decode
+  // step's single row (noisy, often a bucket off) key the next prefill into a bucket whose TwELL time
+  // never arrives (it goes to the bucket of the density the timed run measures), so every such
+  // prefill ran a timed TwELL call: ~50 ms of the 2B forward (docs/perf-notes.md).
+  std::map<int64_t, double> nnz_per_row_;
+  double nnz_per_row(int64_t rows) const;
   int64_t current_bucket_ = 0;    // of the call being issued
   // Per (bucket, hot neurons, layer): the density bucket of the split's sparse part when first seen.
   std::map<std::tuple<int64_t, int32_t, const void*>, int64_t> split_density_buckets_;
-  bool recheck_density_ = false;  // a split call saw a density 2 buckets off: the next call runs TwELL
+  // Row buckets where a split call saw a density 2 buckets off: the next call at such an M runs TwELL.
+  std::set<int64_t> recheck_rows_;
   int last_path_ = kTwellPath;
   int32_t last_hot_neurons_ = 0;
   bool last_call_measured_ = false;

@@ -54,21 +54,26 @@ void SparseFfn::read_counters() {
     TWELL_CUDA_CHECK(state);
     const Counters counters = counters_host_[slot];
     const SlotFacts& facts = slot_facts_[slot];
-    const double nnz_per_row = static_cast<double>(counters.nnz) / static_cast<double>(facts.rows);
+    const double row_nnz = static_cast<double>(counters.nnz) / static_cast<double>(facts.rows);
     if (facts.hot == 0) {
-      last_nnz_per_row_ = nnz_per_row;
+      nnz_per_row_[row_bucket(facts.rows)] = row_nnz;
     } else {
       // Two buckets apart (a factor of 4 in density): one apart is the call-to-call noise of few rows
       // (at M = 1 the rotated inputs alone made a split recheck on every other call).
       const auto [seen, first] =
-          split_density_buckets_.try_emplace({facts.bucket, facts.hot, facts.layer}, density_bucket(nnz_per_row));
-      if (!first && std::abs(seen->second - density_bucket(nnz_per_row)) >= 2) recheck_density_ = true;
+          split_density_buckets_.try_emplace({facts.bucket, facts.hot, facts.layer}, density_bucket(row_nnz));
+      if (!first && std::abs(seen->second - density_bucket(row_nnz)) >= 2) recheck_rows_.insert(row_bucket(facts.rows));
     }
     if (counters.spill_used > packed_.spill_capacity && !packed_.empty())
       reserve(packed_, packed_.shape, counters.spill_used + counters.spill_used / 4);
     newest_read_ = call;
     return;
   }
+}
+
+double SparseFfn::nnz_per_row(int64_t rows) const {
+  const auto seen = nnz_per_row_.find(row_bucket(rows));
+  return seen == nnz_per_row_.end() ? -1.0 : seen->second;
 }
 
 int32_t SparseFfn::hot_neurons(int path, int32_t hidden) const {
@@ -145,18 +150,17 @@ void SparseFfn::run(const bf16* x, int64_t rows, const DeviceFfnView& weights, b
     return;
   }
   const auto bucket = [&]() -> std::vector<float>& {
-    std::vector<float>& ms = timings_[call_bucket(rows, last_nnz_per_row_)];
+    std::vector<float>& ms = timings_[call_bucket(rows, nnz_per_row(rows))];
     if (ms.empty()) ms.assign(static_cast<size_t>(path_count()), -1.0f);
     return ms;
   };
   read_counters();
-  if (recheck_density_) {
-    recheck_density_ = false;
+  if (recheck_rows_.erase(row_bucket(rows)) > 0) {
     run_path(kTwellPath, x, rows, weights, y, stream);
     finish(kTwellPath, /*measured=*/true);
     return;
   }
-  current_bucket_ = call_bucket(rows, last_nnz_per_row_);
+  current_bucket_ = call_bucket(rows, nnz_per_row(rows));
   std::vector<float>& timing = bucket();
   if (timing[kTwellPath] < 0) {
     const float twell_ms = timed_run(kTwellPath, x, rows, weights, y, stream);

@@ -24,9 +24,11 @@ namespace twell::cuda {
 inline int64_t density_bucket(double nnz_per_row) {
   return nnz_per_row < 0 ? -1 : static_cast<int64_t>(std::floor(std::log2(1.0 + nnz_per_row)));
 }
+inline int64_t row_bucket(int64_t rows) {
+  return static_cast<int64_t>(std::ceil(std::log2(static_cast<double>(rows))));
+}
 inline int64_t call_bucket(int64_t rows, double nnz_per_row) {
-  const int64_t row_bucket = static_cast<int64_t>(std::ceil(std::log2(static_cast<double>(rows))));
-  return row_bucket * 64 + density_bucket(nnz_per_row) + 1;
+  return row_bucket(rows) * 64 + density_bucket(nnz_per_row) + 1;
 }
 
 // Both ops' split candidates: f·H hot neurons rounded to whole TwELL tiles of `tile` columns, so the
