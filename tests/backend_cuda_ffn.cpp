@@ -9,6 +9,7 @@
 
 #include <gtest/gtest.h>
 
+#include "cuda/ffn_density_book.h"
 #include "cuda_test_support.h"
 #include "twell/bench_record.h"
 #include "twell/cpu.h"
@@ -259,6 +260,44 @@ TEST_F(CudaFfnFromTwell, DensityIsKeptPerRowCount) {
     EXPECT_FALSE(ffn.last_call_measured()) << "call " << call << (large ? " (4096 rows)" : " (one row)");
   }
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
+// The dispatch's memory of densities (no GPU): a plain TwELL call's density keys later calls of
+// its own M bucket only; a split's sparse density is compared with its own layer's first, and 2
+// buckets off marks a recheck of that M bucket, taken once.
+TEST(FfnDensityBook, DensitiesPerRowCountAndSplitsPerLayer) {
+  using Call = cuda::FfnDensityBook::Call;
+  cuda::FfnDensityBook book(4);
+  EXPECT_EQ(book.nnz_per_row(4096), -1.0);
+  book.issue(0, Call{.rows = 4096, .hot = 0, .bucket = 1});
+  book.issue(1, Call{.rows = 1, .hot = 0, .bucket = 2});
+  book.observe(0, 4096 * 82);
+  book.observe(1, 4014);  // a batch-1 row far denser than the 4096 rows' average
+  EXPECT_EQ(book.nnz_per_row(4096), 82.0);
+  EXPECT_EQ(book.nnz_per_row(3000), 82.0);  // the same M bucket (ceil log2)
+  EXPECT_EQ(book.nnz_per_row(1), 4014.0);
+  EXPECT_EQ(book.nnz_per_row(16), -1.0);
+
+  // Two layers whose split parts lie 2 buckets apart (160 and 40 per row): no recheck.
+  const int layer_a = 0, layer_b = 0;
+  book.issue(2, Call{.rows = 4096, .hot = 512, .bucket = 7, .layer = &layer_a});
+  book.observe(2, 4096 * 160);
+  book.issue(3, Call{.rows = 4096, .hot = 512, .bucket = 7, .layer = &layer_b});
+  book.observe(3, 4096 * 40);
+  EXPECT_FALSE(book.take_recheck(4096));
+  // One bucket off on its own layer (160 -> 80): call-to-call noise, no recheck.
+  book.issue(2, Call{.rows = 4096, .hot = 512, .bucket = 7, .layer = &layer_a});
+  book.observe(2, 4096 * 80);
+  EXPECT_FALSE(book.take_recheck(4096));
+  // Two buckets off on its own layer (160 -> 40): the next call of that M bucket rechecks, once.
+  book.issue(2, Call{.rows = 4096, .hot = 512, .bucket = 7, .layer = &layer_a});
+  book.observe(2, 4096 * 40);
+  EXPECT_FALSE(book.take_recheck(1));
+  EXPECT_TRUE(book.take_recheck(4096));
+  EXPECT_FALSE(book.take_recheck(4096));
+  EXPECT_EQ(book.nnz_per_row(4096), 82.0);  // a split's density is not the layer's
+
+  EXPECT_THROW(cuda::FfnDensityBook(0), Error);
 }
 
 TEST_F(CudaFfnFromTwell, ViewsOfNeuronRangesStayInside) {

@@ -18,8 +18,6 @@
 #include <cstdint>
 #include <functional>
 #include <map>
-#include <set>
-#include <tuple>
 #include <utility>
 #include <memory>
 #include <vector>
@@ -213,7 +211,8 @@ class DenseFfn {
 // stream while the dense part's gate and up GEMMs run on a second stream of the op's own; only its
 // down GEMM waits for TwELL's y and adds to it. The tensor-core GEMMs and the L2-bound up+down kernel
 // then share the GPU instead of taking turns. The caller's stream waits for both before it goes on.
-class SideStream;  // src/cuda/cuda_utils.h
+class SideStream;      // src/cuda/cuda_utils.h
+class FfnDensityBook;  // src/cuda/ffn_density_book.h
 struct SparseFfnOptions {
   int32_t tile = 128;
   int32_t compression = 4;
@@ -257,33 +256,21 @@ class SparseFfn {
     unsigned long long nnz;
     int32_t spill_used;
   };
-  struct SlotFacts {
-    int64_t rows = 0;
-    int32_t hot = 0;      // > 0: a split call's packing (its density is not the layer's)
-    int64_t bucket = 0;   // the bucket the call was dispatched in
-    const void* layer = nullptr;  // the weights it ran on (their relu projection)
-  };
   static constexpr int kCounterSlots = 4;
   // Reads the newest finished slot (waits for the oldest only when all kCounterSlots are in flight
-  // and unread) into nnz_per_row_, and grows the spill when that packing overflowed it.
+  // and unread) into densities_, and grows the spill when that packing overflowed it.
   void read_counters();
 
   SparseFfnOptions options_;
   DeviceTwell packed_;
   DenseFfn dense_{DenseFfn::kFusedGateMinRows};  // the dense path and a split's dense part
   std::map<int64_t, std::vector<float>> timings_;  // per bucket: median ms per path, < 0 unmeasured
-  // Per row bucket (ceil log2 M): non-zeros per row of the newest TwELL packing read at that M; a
-  // call is keyed by its own M's, absent: unknown. One density for all M let a batch-1 decode
-  // step's single row (noisy, often a bucket off) key the next prefill into a bucket whose TwELL time
-  // never arrives (it goes to the bucket of the density the timed run measures), so every such
-  // prefill ran a timed TwELL call: ~50 ms of the 2B forward (docs/perf-notes.md).
-  std::map<int64_t, double> nnz_per_row_;
-  double nnz_per_row(int64_t rows) const;
-  int64_t current_bucket_ = 0;    // of the call being issued
-  // Per (bucket, hot neurons, layer): the density bucket of the split's sparse part when first seen.
-  std::map<std::tuple<int64_t, int32_t, const void*>, int64_t> split_density_buckets_;
-  // Row buckets where a split call saw a density 2 buckets off: the next call at such an M runs TwELL.
-  std::set<int64_t> recheck_rows_;
+  // The densities seen, per M bucket: a call is keyed by its own M's. One density for all M let a
+  // batch-1 decode step's single row (noisy, often a bucket off) key the next prefill into a bucket
+  // whose TwELL time never arrives (it goes to the bucket of the density the timed run measures), so
+  // every such prefill ran a timed TwELL call: ~50 ms of the 2B forward (docs/perf-notes.md).
+  std::unique_ptr<FfnDensityBook> densities_;
+  int64_t current_bucket_ = 0;  // of the call being issued
   int last_path_ = kTwellPath;
   int32_t last_hot_neurons_ = 0;
   bool last_call_measured_ = false;
@@ -293,7 +280,6 @@ class SparseFfn {
   cudaEvent_t twell_done_ = nullptr;
   Counters* counters_host_ = nullptr;             // pinned [kCounterSlots]
   cudaEvent_t counters_ready_[kCounterSlots] = {};  // recorded after each slot's copy
-  SlotFacts slot_facts_[kCounterSlots] = {};
   int64_t twell_calls_ = 0;  // TwELL calls issued; call c uses slot c % kCounterSlots
   int64_t newest_read_ = -1;  // the newest call whose counters were read
 };

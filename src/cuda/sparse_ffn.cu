@@ -6,12 +6,14 @@
 #include <utility>
 
 #include "cuda/cuda_utils.h"
+#include "cuda/ffn_density_book.h"
 #include "cuda/timed_choice.h"
 #include "twell/cuda.h"
 
 namespace twell::cuda {
 
-SparseFfn::SparseFfn(SparseFfnOptions options) : options_(std::move(options)) {
+SparseFfn::SparseFfn(SparseFfnOptions options)
+    : options_(std::move(options)), densities_(std::make_unique<FfnDensityBook>(kCounterSlots)) {
   for (double fraction : options_.hot_fractions)
     TWELL_REQUIRE(fraction > 0 && fraction < 1, "SparseFfn: hot fractions must lie in (0, 1), got {}", fraction);
   TWELL_REQUIRE(twell_tile_supported(options_.tile), "SparseFfn: tile must be 128 or 256, got {}", options_.tile);
@@ -53,27 +55,12 @@ void SparseFfn::read_counters() {
     if (state == cudaErrorNotReady) continue;
     TWELL_CUDA_CHECK(state);
     const Counters counters = counters_host_[slot];
-    const SlotFacts& facts = slot_facts_[slot];
-    const double row_nnz = static_cast<double>(counters.nnz) / static_cast<double>(facts.rows);
-    if (facts.hot == 0) {
-      nnz_per_row_[row_bucket(facts.rows)] = row_nnz;
-    } else {
-      // Two buckets apart (a factor of 4 in density): one apart is the call-to-call noise of few rows
-      // (at M = 1 the rotated inputs alone made a split recheck on every other call).
-      const auto [seen, first] =
-          split_density_buckets_.try_emplace({facts.bucket, facts.hot, facts.layer}, density_bucket(row_nnz));
-      if (!first && std::abs(seen->second - density_bucket(row_nnz)) >= 2) recheck_rows_.insert(row_bucket(facts.rows));
-    }
+    densities_->observe(slot, counters.nnz);
     if (counters.spill_used > packed_.spill_capacity && !packed_.empty())
       reserve(packed_, packed_.shape, counters.spill_used + counters.spill_used / 4);
     newest_read_ = call;
     return;
   }
-}
-
-double SparseFfn::nnz_per_row(int64_t rows) const {
-  const auto seen = nnz_per_row_.find(row_bucket(rows));
-  return seen == nnz_per_row_.end() ? -1.0 : seen->second;
 }
 
 int32_t SparseFfn::hot_neurons(int path, int32_t hidden) const {
@@ -117,7 +104,7 @@ void SparseFfn::run_path(int path, const bf16* x, int64_t rows, const DeviceFfnV
   TWELL_CUDA_CHECK(cudaMemcpyAsync(&counters->spill_used, packed_.spill_used.get(), sizeof counters->spill_used,
                                    cudaMemcpyDeviceToHost, stream));
   TWELL_CUDA_CHECK(cudaEventRecord(counters_ready_[slot], stream));
-  slot_facts_[slot] = {rows, hot, current_bucket_, weights.relu_projection()};
+  densities_->issue(slot, {rows, hot, current_bucket_, weights.relu_projection()});
   ++twell_calls_;
 }
 
@@ -150,17 +137,17 @@ void SparseFfn::run(const bf16* x, int64_t rows, const DeviceFfnView& weights, b
     return;
   }
   const auto bucket = [&]() -> std::vector<float>& {
-    std::vector<float>& ms = timings_[call_bucket(rows, nnz_per_row(rows))];
+    std::vector<float>& ms = timings_[call_bucket(rows, densities_->nnz_per_row(rows))];
     if (ms.empty()) ms.assign(static_cast<size_t>(path_count()), -1.0f);
     return ms;
   };
   read_counters();
-  if (recheck_rows_.erase(row_bucket(rows)) > 0) {
+  if (densities_->take_recheck(rows)) {
     run_path(kTwellPath, x, rows, weights, y, stream);
     finish(kTwellPath, /*measured=*/true);
     return;
   }
-  current_bucket_ = call_bucket(rows, nnz_per_row(rows));
+  current_bucket_ = call_bucket(rows, densities_->nnz_per_row(rows));
   std::vector<float>& timing = bucket();
   if (timing[kTwellPath] < 0) {
     const float twell_ms = timed_run(kTwellPath, x, rows, weights, y, stream);
