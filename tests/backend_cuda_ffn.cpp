@@ -179,7 +179,8 @@ TEST_F(CudaFfnFromTwell, SplitPathsOnSortedWeightsGiveTheFfn) {
 void overwrite(cuda::DeviceFfnWeights& layer, const FfnWeights& weights) {
   const cuda::DeviceFfnWeights source = cuda::upload_weights(weights);
   const size_t bytes = static_cast<size_t>(layer.d_hidden) * layer.d_model * sizeof(bf16);
-  for (const auto& [to, from] : {std::pair{layer.gate.get(), source.gate.get()}, std::pair{layer.up.get(), source.up.get()},
+  for (const auto& [to, from] : {std::pair{layer.gate.get(), source.gate.get()},
+                                 std::pair{layer.up.get(), source.up.get()},
                                  std::pair{layer.down.get(), source.down.get()}})
     ASSERT_EQ(cudaMemcpy(to, from, bytes, cudaMemcpyDeviceToDevice), cudaSuccess);
 }
@@ -214,8 +215,7 @@ TEST_F(CudaFfnFromTwell, SplitIsRecheckedWhenTheDensityChanges) {
 // A model shares one SparseFfn among its layers: a split call's sparse density is compared with its
 // own layer's earlier calls, not another layer's. Two layers whose sparse parts lie 2 buckets apart
 // (a factor of 4), both taking the split, run it call after call once the paths are timed. Compared
-// across layers, every other call here was a recheck of plain TwELL; in the 2B forward one FFN call
-// in 38 was, and those forwards' FFN stage took ~45 ms more (docs/perf-notes.md).
+// across layers, every other call here was a recheck of plain TwELL.
 TEST_F(CudaFfnFromTwell, LayersOfDifferentDensitiesKeepTheirSplitsWithoutRechecks) {
   cuda::SparseFfn ffn({.tile = 128, .compression = 4, .allow_dense = false, .hot_fractions = {0.9}});
   std::vector<Workload> inputs;
