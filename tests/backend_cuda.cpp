@@ -198,6 +198,19 @@ const bool registered = test::register_backend({
           const std::vector<float> got = cuda::download_bf16(out_device.get(), out_count);
           std::copy(got.begin(), got.end(), out);
         },
+    .residual_norm =
+        [](const test::ResidualNormCall& c) {
+          const size_t count = static_cast<size_t>(c.rows) * c.d;
+          const cuda::DeviceArray<float> hidden = upload_values(c.hidden, count);
+          const cuda::DeviceArray<bf16> y = cuda::upload_bf16(c.y, count);
+          const cuda::DeviceArray<float> weight = upload_values(c.weight, static_cast<size_t>(c.d));
+          const cuda::DeviceArray<bf16> normed = cuda::upload_bf16(c.normed, count);  // poisoned
+          cuda::model_kernels::add_rms_norm(hidden.get(), y.get(), c.rows, c.d, weight.get(), c.eps, normed.get(),
+                                            nullptr);
+          cuda::copy_to_host(c.hidden, hidden.get(), count * sizeof(float));
+          const std::vector<float> got = cuda::download_bf16(normed.get(), count);
+          std::copy(got.begin(), got.end(), c.normed);
+        },
     .decode_d_multiple = 8,  // 16-byte weight rows
     .decode_all_gates = kCudaAllGates,
 });

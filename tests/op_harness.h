@@ -97,6 +97,20 @@ using DecodeAttentionOp =
     std::function<void(const float* qkv, const float* bias, const float* keys, const float* values,
                        const ref::CachedAttentionShape& shape, float rope_theta, float* out)>;
 
+// The model's residual add fused into the next RMSNorm (cuda::model_kernels::add_rms_norm): hidden
+// [M, D] fp32 += y [M, D] (bf16 values) element by element in fp32, then normed = RMSNorm(hidden
+// after the addition) as ref::rms_norm. `normed` arrives poisoned. The cases: tests/op_model.cpp.
+struct ResidualNormCall {
+  float* hidden;  // [M, D], added to
+  const float* y;  // [M, D]
+  int64_t rows;
+  int32_t d;
+  const float* weight;  // [D]
+  float eps;
+  float* normed;  // [M, D]
+};
+using ResidualNormOp = std::function<void(const ResidualNormCall& call)>;
+
 // What a backend rounds beyond fp32 accumulation. The harness replays a naive computation with the
 // same roundings; its error against float64 sets the tolerance (derived_tolerance below).
 struct BackendPrecision {
@@ -117,6 +131,7 @@ struct FfnBackend {
   DecodeFfnOp decode_ffn;
   DecodeProjectionOp decode_projection;
   DecodeAttentionOp decode_attention;
+  ResidualNormOp residual_norm;
   int32_t decode_d_multiple = 1;  // decode_ffn takes D a multiple of this only (its signs are not padded)
   AllGatesRule decode_all_gates = kCpuAllGates;  // where decode_ffn's GateSelection::automatic takes every gate
 };

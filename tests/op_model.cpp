@@ -1,5 +1,6 @@
-// Harness ops of the model's decode step beside its FFN: the projection (GEMV, with its optional
-// RMSNorm of the input and of the sum) and RoPE + attention over the KV cache. Each run_* compares
+// Harness ops of the model's steps beside the FFN: the decode projection (GEMV, with its optional
+// RMSNorm of the input and of the sum), RoPE + attention over the KV cache, and the FFN's residual
+// add fused into the next RMSNorm. Each run_* compares
 // one backend's op on one case with the float64 reference and says what differs; the TEST_Ps run
 // every registered backend that has the op over the sweeps, and OpHarnessModel shows the checks
 // fail on broken ops. Only the CUDA backend has these ops: the CPU model runs its projections
@@ -116,6 +117,42 @@ testing::AssertionResult run_decode_attention(const FfnBackend& backend, const A
   return near_relative_l2("out", out.data(), expected.data(), expected.size(), 1e-2);
 }
 
+struct ResidualNormCase {
+  int64_t rows;
+  int32_t d;
+  uint64_t seed;
+  std::string name() const {
+    return "M" + std::to_string(rows) + "_D" + std::to_string(d) + "_s" + std::to_string(seed);
+  }
+};
+
+// D under a block's width, odd, past one round of the block's unrolled loads, and the 2B model's.
+std::vector<ResidualNormCase> residual_norm_cases() {
+  return {{1, 8, 1}, {3, 100, 2}, {5, 1001, 3}, {17, 2048, 4}, {2, 4104, 5}, {1, 8191, 6}};
+}
+
+testing::AssertionResult run_residual_norm(const FfnBackend& backend, const ResidualNormCase& c) {
+  const float eps = 1e-5f;
+  const size_t count = static_cast<size_t>(c.rows) * c.d;
+  const std::vector<float> hidden_start = make_normal(static_cast<int64_t>(count), 2.0, c.seed);
+  std::vector<float> y = make_normal(static_cast<int64_t>(count), 1.0, c.seed + 1);
+  for (float& v : y) v = round_to_bf16(v);  // the op's y is bf16
+  const std::vector<float> weight = make_normal(c.d, 1.0, c.seed + 2);
+  std::vector<float> hidden = hidden_start, normed;
+  poison(normed, count);
+  backend.residual_norm({hidden.data(), y.data(), c.rows, c.d, weight.data(), eps, normed.data()});
+  // The sum is one fp32 addition per element, so its bits are known exactly.
+  for (size_t i = 0; i < count; ++i) {
+    const float expected = hidden_start[i] + y[i];
+    if (hidden[i] != expected)
+      return testing::AssertionFailure() << "hidden[" << i << "] = " << hidden[i] << ", expected " << expected
+                                         << " (the fp32 sum of " << hidden_start[i] << " and " << y[i] << ")";
+  }
+  const std::vector<double> expected = ref::rms_norm(hidden.data(), c.rows, c.d, weight.data(), eps);
+  // fp32 sums of squares, the result rounded to bf16 once (2^-9 of an element at most).
+  return near_relative_l2("normed", normed.data(), expected.data(), expected.size(), 3e-3);
+}
+
 using ProjectionTest = OpTestOf<ProjectionCase>;
 TEST_P(ProjectionTest, MatchesReference) { EXPECT_TRUE(run_decode_projection(backend(), op_case())); }
 INSTANTIATE_TEST_SUITE_P(Ops, ProjectionTest,
@@ -129,6 +166,13 @@ INSTANTIATE_TEST_SUITE_P(Ops, AttentionTest,
                          testing::ValuesIn(backend_cases(&FfnBackend::decode_attention, attention_cases())),
                          backend_case_name<AttentionCase>);
 GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(AttentionTest);
+
+using ResidualNormTest = OpTestOf<ResidualNormCase>;
+TEST_P(ResidualNormTest, MatchesReference) { EXPECT_TRUE(run_residual_norm(backend(), op_case())); }
+INSTANTIATE_TEST_SUITE_P(Ops, ResidualNormTest,
+                         testing::ValuesIn(backend_cases(&FfnBackend::residual_norm, residual_norm_cases())),
+                         backend_case_name<ResidualNormCase>);
+GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(ResidualNormTest);
 
 // ---- The checks can fail: a backend built from the reference passes, broken variants do not ----
 
@@ -154,6 +198,10 @@ FfnBackend reference_backend() {
                                              1.0 / std::sqrt(static_cast<double>(s.head_dim))),
                   out);
   };
+  backend.residual_norm = [](const ResidualNormCall& c) {
+    for (int64_t i = 0; i < c.rows * c.d; ++i) c.hidden[i] += c.y[i];
+    copy_to_float(ref::rms_norm(c.hidden, c.rows, c.d, c.weight, c.eps), c.normed);
+  };
   return backend;
 }
 
@@ -162,6 +210,7 @@ TEST(OpHarnessModel, ReferenceBackendPasses) {
   for (const ProjectionCase& c : projection_cases())
     EXPECT_TRUE(run_decode_projection(backend, c)) << c.name();
   for (const AttentionCase& c : attention_cases()) EXPECT_TRUE(run_decode_attention(backend, c)) << c.name();
+  for (const ResidualNormCase& c : residual_norm_cases()) EXPECT_TRUE(run_residual_norm(backend, c)) << c.name();
 }
 
 TEST(OpHarnessModel, BrokenOpsFail) {
@@ -202,6 +251,26 @@ TEST(OpHarnessModel, BrokenOpsFail) {
     attention(qkv, bias, keys, values, earlier, theta, out);
   };
   EXPECT_FALSE(run_decode_attention(backend, gqa));
+
+  const auto residual_norm = backend.residual_norm;
+  const ResidualNormCase rows{5, 1001, 3};
+  backend.residual_norm = [&](const ResidualNormCall& c) {  // the norm of the stream before the add
+    std::vector<float> before(c.hidden, c.hidden + c.rows * c.d);
+    residual_norm(c);
+    copy_to_float(ref::rms_norm(before.data(), c.rows, c.d, c.weight, c.eps), c.normed);
+  };
+  EXPECT_FALSE(run_residual_norm(backend, rows));
+  backend.residual_norm = [&](const ResidualNormCall& c) {  // y added twice to one element
+    residual_norm(c);
+    c.hidden[c.rows * c.d / 2] += c.y[c.rows * c.d / 2];
+  };
+  EXPECT_FALSE(run_residual_norm(backend, rows));
+  backend.residual_norm = [&](const ResidualNormCall& c) {  // the last row's norm left unwritten
+    std::vector<float> normed(c.normed, c.normed + c.rows * c.d);
+    residual_norm(c);
+    std::copy(normed.end() - c.d, normed.end(), c.normed + (c.rows - 1) * c.d);
+  };
+  EXPECT_FALSE(run_residual_norm(backend, rows));
 }
 
 }  // namespace

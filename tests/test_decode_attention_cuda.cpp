@@ -280,6 +280,11 @@ TEST(DecodeAttentionRopeRefusals, NameTheProblem) {
   expect_refused([&] { call({0, 1, 2, 2, 64, 8}); }, "batch");
   expect_refused([&] { call({1, 1, 2, 2, 64, 0}); }, "cache_stride");
   expect_refused([&] { call({1, 1, 2, 2, 64, 8}, 0.0f); }, "rope_theta");
+  // qkv_rope (prefill) rotates 8-byte pieces: a Dh the decode kernel refuses too, and one it would not.
+  for (const int32_t head_dim : {12, 4})
+    expect_refused([&] { mk::qkv_rope(nullptr, nullptr, {1, 2, 2, 2, head_dim, 8}, nullptr, 1e4f, nullptr, nullptr,
+                                      nullptr, nullptr); },
+                   "head_dim");
   if (!cuda::available()) GTEST_SKIP() << "no CUDA device: the workspace size needs one";
   const mk::AttentionShape fits{1, 1, 2, 2, 64, 8};
   expect_refused([&] { call(fits, 1e4f, mk::decode_attention_workspace_bytes(fits) - 1); }, "workspace");

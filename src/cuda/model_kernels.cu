@@ -69,16 +69,28 @@ __global__ void embed_kernel(const int32_t* tokens, const bf16* table, int32_t d
   for (int32_t k = threadIdx.x; k < d_model; k += blockDim.x) out[k] = to_float(row[k]);
 }
 
-__global__ void rms_norm_kernel(const float* x, int64_t first, int64_t step, int32_t d_model, const float* weight,
-                                float eps, bf16* y) {
+// y = x / sqrt(mean(x²) + eps) ⊙ weight per row. With kAddFirst the row is first summed in place
+// with addend's (x += addend, the FFN's output into the residual stream): one pass over the fp32
+// stream instead of add_residual's read and write followed by this kernel's read.
+template <bool kAddFirst>
+__global__ void rms_norm_kernel(float* x, const bf16* addend, int64_t first, int64_t step, int32_t d_model,
+                                const float* weight, float eps, bf16* y) {
   begin_programmatic();
   __shared__ float scratch[32];
-  const float* row = x + (first + blockIdx.x * step) * d_model;
+  float* row = x + (first + blockIdx.x * step) * d_model;
+  const bf16* add_row = kAddFirst ? addend + (first + blockIdx.x * step) * d_model : nullptr;
   float sum_squares = 0;
   // Unrolled so that a thread's loads are in flight together (ncu, 2B prefill rows on an H100:
   // one load per round trip held the kernel at 1.8 TB/s, 31 cycles per issued instruction).
 #pragma unroll 8
-  for (int32_t k = threadIdx.x; k < d_model; k += blockDim.x) sum_squares += row[k] * row[k];
+  for (int32_t k = threadIdx.x; k < d_model; k += blockDim.x) {
+    float value = row[k];
+    if constexpr (kAddFirst) {
+      value += to_float(add_row[k]);
+      row[k] = value;  // read back below by this same thread
+    }
+    sum_squares += value * value;
+  }
   sum_squares = block_reduce<false>(sum_squares, scratch);
   const float inv_rms = 1.0f / sqrtf(sum_squares / d_model + eps);
   bf16* out = y + static_cast<int64_t>(blockIdx.x) * d_model;
@@ -86,9 +98,13 @@ __global__ void rms_norm_kernel(const float* x, int64_t first, int64_t step, int
   for (int32_t k = threadIdx.x; k < d_model; k += blockDim.x) out[k] = to_bf16(weight[k] * (row[k] * inv_rms));
 }
 
-// Element `column` of a qkv row [H_q·Dh + 2·H_kv·Dh] plus its bias (fp32, null when the model has none).
+// `value`, element `column` of a qkv row [H_q·Dh + 2·H_kv·Dh], plus its bias (fp32, null when the
+// model has none).
+__device__ __forceinline__ float with_bias(bf16 value, const float* bias, int64_t column) {
+  return to_float(value) + (bias ? bias[column] : 0.0f);
+}
 __device__ __forceinline__ float qkv_element(const bf16* row, const float* bias, int64_t column) {
-  return to_float(row[column]) + (bias ? bias[column] : 0.0f);
+  return with_bias(row[column], bias, column);
 }
 
 struct RotatedPair {
@@ -110,9 +126,8 @@ __device__ __forceinline__ RopeAngle rope_angle(int32_t i, int32_t dh, int32_t p
   return {cosf(angle), sinf(angle)};
 }
 
-__device__ __forceinline__ RotatedPair rotate_pair(const bf16* row, const float* bias, int64_t head_column, int32_t i,
-                                                   int32_t dh, RopeAngle a) {
-  const float x0 = qkv_element(row, bias, head_column + i), x1 = qkv_element(row, bias, head_column + i + dh / 2);
+// The rotation of pair (x0, x1) = elements (i, i + Dh/2) of a head, the bias added.
+__device__ __forceinline__ RotatedPair rotate(float x0, float x1, RopeAngle a) {
   // x0·c − x1·s and x1·c + x0·s with the roundings spelled out: left to the compiler, the products
   // may be contracted into FMAs differently in each kernel this is inlined into. These are the
   // contractions nvcc had chosen for qkv_rope.
@@ -120,50 +135,69 @@ __device__ __forceinline__ RotatedPair rotate_pair(const bf16* row, const float*
           to_bf16(__fmaf_rn(x0, a.sine, __fmul_rn(x1, a.cosine)))};
 }
 
-// One block per row [q heads | k heads | v heads]. A thread takes one pair index i and every
-// (blockDim / half)-th head from its first, so that an angle is computed once for several heads
-// (one thread per pair computed it H_q + H_kv = 64 times per row at the 2B shape); adjacent threads
-// read adjacent elements of a head. Then the values, copied to the cache.
+__device__ __forceinline__ RotatedPair rotate_pair(const bf16* row, const float* bias, int64_t head_column, int32_t i,
+                                                   int32_t dh, RopeAngle a) {
+  return rotate(qkv_element(row, bias, head_column + i), qkv_element(row, bias, head_column + i + dh / 2), a);
+}
+
+// Pairs a qkv_rope thread rotates together: 4 adjacent elements of each half of a head, one 8-byte
+// load and store each (Dh a multiple of 8 keeps them aligned).
+constexpr int kRopePairs = 4;
+union Bf16Quad {  // 4 bf16 as one 8-byte load or store
+  uint2 bits;
+  bf16 values[4];
+};
+
+// One block per row [q heads | k heads | v heads]. The row's Dh/2 angles are computed once into
+// shared memory (powf and accurate cosf/sinf were most of the kernel's arithmetic when each thread
+// computed its own); while they are, the values are copied to the cache by 16-byte pieces. Then each
+// thread rotates kRopePairs adjacent pairs of a q or k head (neighbouring threads, neighbouring
+// pieces of a head). Per element, index divisions were most of the instructions (ncu found the
+// kernel instruction-bound), hence the pieces.
 __global__ void qkv_rope_kernel(const bf16* qkv, const float* bias, AttentionShape s, const int32_t* length,
                                 float rope_theta, bf16* q, bf16* k_cache, bf16* v_cache) {
+  extern __shared__ RopeAngle angles[];  // [Dh/2]
   begin_programmatic();
   const int32_t r = blockIdx.x, b = r / s.tokens, t = r % s.tokens;
   const int32_t position = *length + t;
   const int32_t dh = s.head_dim, half = dh / 2, heads = s.n_heads + s.n_kv_heads;
   const int64_t q_width = int64_t{s.n_heads} * dh, kv_width = int64_t{s.n_kv_heads} * dh;
   const bf16* in = qkv + r * (q_width + 2 * kv_width);
-  const int32_t head_step = max(1, static_cast<int32_t>(blockDim.x) / half);
-  for (int32_t slot = threadIdx.x; slot < half * min(head_step, heads); slot += blockDim.x) {
-    const int32_t i = slot % half;
-    const RopeAngle angle = rope_angle(i, dh, position, rope_theta);
-    for (int32_t head = slot / half; head < heads; head += head_step) {  // q heads, then k heads
-      bf16* out = head < s.n_heads
-                      ? q + ((int64_t{b} * s.n_heads + head) * s.tokens + t) * dh
-                      : k_cache + ((int64_t{b} * s.n_kv_heads + (head - s.n_heads)) * s.cache_stride + position) * dh;
-      const RotatedPair rotated = rotate_pair(in, bias, int64_t{head} * dh, i, dh, angle);
-      out[i] = rotated.low;
-      out[i + half] = rotated.high;
-    }
-  }
-  // The values by 16-byte pieces where Dh allows (the row and the cache rows are then 16-byte
-  // aligned): one division per 8 elements. Per element, the divisions were most of the kernel's
-  // instructions, and ncu found it instruction-bound.
-  const int32_t piece = dh % 8 == 0 ? 8 : 1;
-  for (int32_t element = threadIdx.x * piece; element < kv_width; element += blockDim.x * piece) {
+  for (int32_t i = threadIdx.x; i < half; i += blockDim.x) angles[i] = rope_angle(i, dh, position, rope_theta);
+
+  for (int32_t element = threadIdx.x * 8; element < kv_width; element += blockDim.x * 8) {
     const int32_t head = element / dh, d = element % dh;
     bf16* out = v_cache + ((int64_t{b} * s.n_kv_heads + head) * s.cache_stride + position) * dh + d;
     const int64_t column = q_width + kv_width + element;
-    if (piece == 1) {
-      *out = to_bf16(qkv_element(in, bias, column));
-      continue;
-    }
     uint4 values = *reinterpret_cast<const uint4*>(in + column);
     if (bias) {
       bf16* v = reinterpret_cast<bf16*>(&values);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) v[j] = to_bf16(to_float(v[j]) + bias[column + j]);
+      for (int j = 0; j < 8; ++j) v[j] = to_bf16(with_bias(v[j], bias, column + j));
     }
     *reinterpret_cast<uint4*>(out) = values;
+  }
+  __syncthreads();  // the angles
+
+  const int32_t quads = half / kRopePairs;  // per head
+  for (int32_t slot = threadIdx.x; slot < heads * quads; slot += blockDim.x) {
+    const int32_t head = slot / quads, i = slot % quads * kRopePairs;  // q heads, then k heads
+    bf16* out = head < s.n_heads
+                    ? q + ((int64_t{b} * s.n_heads + head) * s.tokens + t) * dh
+                    : k_cache + ((int64_t{b} * s.n_kv_heads + (head - s.n_heads)) * s.cache_stride + position) * dh;
+    const int64_t column = int64_t{head} * dh + i;
+    Bf16Quad low, high, low_out, high_out;
+    low.bits = *reinterpret_cast<const uint2*>(in + column);
+    high.bits = *reinterpret_cast<const uint2*>(in + column + half);
+#pragma unroll
+    for (int j = 0; j < kRopePairs; ++j) {
+      const RotatedPair rotated = rotate(with_bias(low.values[j], bias, column + j),
+                                         with_bias(high.values[j], bias, column + half + j), angles[i + j]);
+      low_out.values[j] = rotated.low;
+      high_out.values[j] = rotated.high;
+    }
+    *reinterpret_cast<uint2*>(out + i) = low_out.bits;
+    *reinterpret_cast<uint2*>(out + i + half) = high_out.bits;
   }
 }
 
@@ -370,15 +404,22 @@ __global__ void __launch_bounds__(kDecodeThreads)
   }
 }
 
-template <typename T>
-__global__ void add_residual_kernel(float* hidden, const T* y, int64_t count) {
+// By 16-byte pieces of the fp32 stream (4 elements); the tail of a count not a multiple of 4 by one.
+__global__ void add_residual_kernel(float* hidden, const bf16* y, int64_t count) {
   begin_programmatic();
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count; i += int64_t{gridDim.x} * blockDim.x) {
-    if constexpr (sizeof(T) == 2)
-      hidden[i] += to_float(y[i]);
-    else
-      hidden[i] += y[i];
+  const int64_t first = blockIdx.x * int64_t{blockDim.x} + threadIdx.x, stride = int64_t{gridDim.x} * blockDim.x;
+  const int64_t quads = count / 4;
+  for (int64_t i = first; i < quads; i += stride) {
+    float4 sum = reinterpret_cast<const float4*>(hidden)[i];
+    Bf16Quad add;
+    add.bits = reinterpret_cast<const uint2*>(y)[i];
+    sum.x += to_float(add.values[0]);
+    sum.y += to_float(add.values[1]);
+    sum.z += to_float(add.values[2]);
+    sum.w += to_float(add.values[3]);
+    reinterpret_cast<float4*>(hidden)[i] = sum;
   }
+  for (int64_t i = quads * 4 + first; i < count; i += stride) hidden[i] += to_float(y[i]);
 }
 
 __global__ void argmax_kernel(const float* logits, int32_t vocab, const int32_t* length, int32_t* next, int32_t* history,
@@ -429,15 +470,26 @@ void embed(const int32_t* tokens, int64_t rows, const bf16* table, int32_t d_mod
 
 void rms_norm(const float* x, int64_t rows, int64_t first, int64_t step, int32_t d_model, const float* weight, float eps,
               bf16* y, cudaStream_t stream) {
-  launch_programmatic(rms_norm_kernel, dim3(static_cast<unsigned>(rows)), dim3(kThreads), 0, stream, x, first, step,
-                      d_model, weight, eps, y);
+  // rms_norm_kernel<false> never writes x: one kernel serves both ops.
+  launch_programmatic(rms_norm_kernel<false>, dim3(static_cast<unsigned>(rows)), dim3(kThreads), 0, stream,
+                      const_cast<float*>(x), static_cast<const bf16*>(nullptr), first, step, d_model, weight, eps, y);
+}
+
+void add_rms_norm(float* hidden, const bf16* addend, int64_t rows, int32_t d_model, const float* weight, float eps,
+                  bf16* y, cudaStream_t stream) {
+  launch_programmatic(rms_norm_kernel<true>, dim3(static_cast<unsigned>(rows)), dim3(kThreads), 0, stream, hidden,
+                      addend, int64_t{0}, int64_t{1}, d_model, weight, eps, y);
 }
 
 void qkv_rope(const bf16* qkv, const float* bias, const AttentionShape& shape, const int32_t* length, float rope_theta,
               bf16* q, bf16* k_cache, bf16* v_cache, cudaStream_t stream) {
+  TWELL_REQUIRE(shape.head_dim > 0 && shape.head_dim % 8 == 0,
+                "qkv_rope: head_dim must be a positive multiple of 8 (rows are rotated by 8-byte pieces), got {}",
+                shape.head_dim);
   const auto rows = static_cast<unsigned>(int64_t{shape.batch} * shape.tokens);
-  launch_programmatic(qkv_rope_kernel, dim3(rows), dim3(kRopeThreads), 0, stream, qkv, bias, shape, length, rope_theta,
-                      q, k_cache, v_cache);
+  const size_t angle_bytes = static_cast<size_t>(shape.head_dim / 2) * sizeof(RopeAngle);
+  launch_programmatic(qkv_rope_kernel, dim3(rows), dim3(kRopeThreads), angle_bytes, stream, qkv, bias, shape, length,
+                      rope_theta, q, k_cache, v_cache);
 }
 
 void causal_softmax(const float* scores, int64_t rows_total, int32_t tokens, int32_t start, int32_t ld, float scale,
@@ -507,12 +559,7 @@ void decode_attention_rope(const bf16* qkv, const float* bias, const AttentionSh
 }
 
 void add_residual(float* hidden, const bf16* y, int64_t count, cudaStream_t stream) {
-  launch_programmatic(add_residual_kernel<bf16>, dim3(grid_for(count)), dim3(kThreads), 0, stream, hidden, y, count);
-}
-
-void add_residual(float* hidden, const float* y, int64_t count, cudaStream_t stream) {
-  launch_programmatic(add_residual_kernel<float>, dim3(grid_for(count)), dim3(kThreads), 0, stream, hidden, y,
-                      count);
+  launch_programmatic(add_residual_kernel, dim3(grid_for((count + 3) / 4)), dim3(kThreads), 0, stream, hidden, y, count);
 }
 
 void argmax_tokens(const float* logits, int32_t batch, int32_t vocab, const int32_t* length, int32_t* next,

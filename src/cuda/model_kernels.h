@@ -20,19 +20,23 @@ void embed(const int32_t* tokens, int64_t rows, const bf16* table, int32_t d_mod
 // y [rows, D] bf16 = x / sqrt(mean(x²) + eps) ⊙ weight, x row i = x + (first + i·step)·D.
 void rms_norm(const float* x, int64_t rows, int64_t first, int64_t step, int32_t d_model, const float* weight, float eps,
               bf16* y, cudaStream_t stream);
+// hidden [rows, D] += addend [rows, D] bf16, then y = rms_norm of the sum as above (the same bits as
+// add_residual followed by rms_norm; one pass over hidden fewer).
+void add_rms_norm(float* hidden, const bf16* addend, int64_t rows, int32_t d_model, const float* weight, float eps,
+                  bf16* y, cudaStream_t stream);
 
 struct AttentionShape {
   int32_t batch = 0;         // B
   int32_t tokens = 0;        // n per sequence
   int32_t n_heads = 0;       // H_q
   int32_t n_kv_heads = 0;    // H_kv
-  int32_t head_dim = 0;      // Dh (even)
+  int32_t head_dim = 0;      // Dh (a multiple of 8)
   int32_t cache_stride = 0;  // cap: positions per (sequence, kv head) in the cache
 };
 
 // qkv [B, n, H_q·Dh + 2·H_kv·Dh] bf16 (+ bias [same], fp32, or null) -> RoPE (HF rotate_half, fp32
-// angles) -> q [B, H_q, n, Dh] bf16 and keys, values at positions *length + t of the caches. A decode
-// step (n = 1) has it inside decode_attention_rope instead.
+// angles) -> q [B, H_q, n, Dh] bf16 and keys, values at positions *length + t of the caches; Dh a
+// multiple of 8. A decode step (n = 1) has it inside decode_attention_rope instead.
 void qkv_rope(const bf16* qkv, const float* bias, const AttentionShape& shape, const int32_t* length, float rope_theta,
               bf16* q, bf16* k_cache, bf16* v_cache, cudaStream_t stream);
 
@@ -62,9 +66,8 @@ bool decode_attention_supports(int32_t head_dim);
 int32_t decode_attention_splits(const AttentionShape& shape);
 size_t decode_attention_workspace_bytes(const AttentionShape& shape);
 
-// hidden [count] fp32 += y [count] (bf16 or fp32).
+// hidden [count] fp32 += y [count] bf16.
 void add_residual(float* hidden, const bf16* y, int64_t count, cudaStream_t stream);
-void add_residual(float* hidden, const float* y, int64_t count, cudaStream_t stream);
 
 // next[b] = argmax of logits [B, V] (lowest id on ties); also history[b·history_stride + *length - 1].
 void argmax_tokens(const float* logits, int32_t batch, int32_t vocab, const int32_t* length, int32_t* next,

@@ -169,12 +169,14 @@ struct CudaModel::Impl {
     return path == FfnPath::dense || (path == FfnPath::predict && batch <= kDecodeMaxRows);
   }
 
-  void ffn(int32_t layer_index, int32_t n) {
+  // The layer's FFN of normed into the residual stream. Returns true when its output waits in
+  // ffn_out for the caller to add (the decode FFN adds into hidden itself).
+  bool ffn(int32_t layer_index, int32_t n) {
     DeviceLayer& layer = layers[layer_index];
-    const int64_t rows = int64_t{batch} * n, count = rows * config.d_model;
+    const int64_t rows = int64_t{batch} * n;
     if (path == FfnPath::predict && rows <= kDecodeMaxRows) {
       layer.decode->run(normed.data(), rows, predictors[layer_index], hidden.data(), stream, {.accumulate = true});
-      return;
+      return false;
     }
     if (path == FfnPath::dense)
       (n == 1 ? dense_decode : dense_batch)
@@ -189,7 +191,7 @@ struct CudaModel::Impl {
       }
       if (sparse->last_call_measured()) ++sparse_calls.measured;
     }
-    mk::add_residual(hidden.data(), ffn_out.data(), count, stream);
+    return true;
   }
 
   // Enqueues one step of n tokens per sequence from tokens[]; no host synchronization.
@@ -208,6 +210,7 @@ struct CudaModel::Impl {
     // docs/perf-notes.md, lab_decode_gemv.
     const bool gemv = rows == 1 && decode_gemv_supports(1, c.d_model) &&
                       decode_gemv_supports(1, static_cast<int32_t>(q_dim()));
+    bool ffn_out_pending = false;  // the previous layer's FFN output, not yet in hidden
     for (int32_t index = 0; index < c.n_layers; ++index) {
       DeviceLayer& layer = layers[index];
       bf16* k_layer = k_cache.data() + index * cache_layer_elements();
@@ -217,7 +220,11 @@ struct CudaModel::Impl {
                     GemvInput::rms_norm(hidden.data(), layer.attn_norm.get(), eps), layer.wqkv.get(), qkv.data(),
                     GemvOutput::bf16, stream);
       } else {
-        mk::rms_norm(hidden.data(), rows, 0, 1, c.d_model, layer.attn_norm.get(), eps, normed.data(), stream);
+        if (ffn_out_pending)
+          mk::add_rms_norm(hidden.data(), ffn_out.data(), rows, c.d_model, layer.attn_norm.get(), eps, normed.data(),
+                           stream);
+        else
+          mk::rms_norm(hidden.data(), rows, 0, 1, c.d_model, layer.attn_norm.get(), eps, normed.data(), stream);
         gemm.run(rows, qkv_width(), d, {normed.data(), d, false}, {layer.wqkv.get(), d, true}, qkv.data(),
                  qkv_width(), GemmOutput::bf16, 0.0f, stream);
       }
@@ -247,7 +254,13 @@ struct CudaModel::Impl {
         mk::rms_norm(hidden.data(), rows, 0, 1, c.d_model, layer.ffn_norm.get(), eps, normed.data(), stream);
       }
       mark(kOProjNormStage);
-      ffn(index, n);
+      // The FFN's output joins the stream in the next layer's attention RMSNorm (one pass over the
+      // fp32 stream fewer), except where that norm is the QKV GEMV's own or there is no next layer.
+      ffn_out_pending = ffn(index, n);
+      if (ffn_out_pending && (gemv || index + 1 == c.n_layers)) {
+        mk::add_residual(hidden.data(), ffn_out.data(), rows * d, stream);
+        ffn_out_pending = false;
+      }
       mark(kFfnStage);
     }
     mk::advance_length(length_device.data(), n, stream);
