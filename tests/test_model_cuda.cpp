@@ -270,7 +270,9 @@ TEST_F(CudaModelTest, StageTimesCoverEagerSteps) {
   std::vector<float> logits(config.vocab_size);
   gpu.forward(prompt.data(), static_cast<int32_t>(prompt.size()), logits.data());
   const cuda::CudaModel::StageTimes t = gpu.stage_times();
-  for (const double ms : {t.embed, t.norm_qkv, t.rope_attention, t.o_proj_norm, t.ffn, t.lm_head}) EXPECT_GT(ms, 0.0);
+  for (const double ms : {t.embed, t.norm_qkv, t.rope, t.rope_attention, t.o_proj_norm, t.ffn, t.lm_head})
+    EXPECT_GT(ms, 0.0);
+  EXPECT_GT(t.rope_attention, t.rope);  // the attention after qkv_rope
   const cuda::CudaModel::StageTimes empty = gpu.stage_times();
   EXPECT_EQ(empty.ffn + empty.embed + empty.lm_head, 0.0);
   gpu.decode_greedy(8);  // the first step eager, the second captured, the rest replayed

@@ -63,12 +63,14 @@ class CudaModel {
   };
   FfnCalls sparse_ffn_calls() const;
   // GPU time per stage of the steps that run eagerly (a prefill; decode steps outside a graph) while
-  // enabled: CUDA events between the stages on the model's stream, summed by stage (the FFN with
-  // its residual add; a split's side stream is joined before the FFN stage ends). For where a
+  // enabled: CUDA events between the stages on the model's stream, summed by stage. The FFN's
+  // residual add counts in the next layer's norm_qkv where it is fused into that norm; a split's
+  // side stream is joined before the FFN stage ends; rope is the part of rope_attention that
+  // qkv_rope takes (prefill: a decode step's RoPE runs inside its attention kernel). For where a
   // forward's time goes (bench model); events between every stage cost a little, so timed runs
   // leave it off.
   struct StageTimes {
-    double embed = 0, norm_qkv = 0, rope_attention = 0, o_proj_norm = 0, ffn = 0, lm_head = 0;  // ms
+    double embed = 0, norm_qkv = 0, rope = 0, rope_attention = 0, o_proj_norm = 0, ffn = 0, lm_head = 0;  // ms
   };
   void set_stage_timing(bool enabled);
   // The sums since stage timing was enabled or the last call (synchronizes the model's stream).

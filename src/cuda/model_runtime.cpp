@@ -92,7 +92,8 @@ struct CudaModel::Impl {
   // graph capture; mark_stage[i] is the stage that ends at events[i] (kNoStage: a step's start).
   static constexpr int kNoStage = -1;
   static constexpr size_t kMaxMarks = 4096;
-  enum { kEmbedStage, kNormQkvStage, kRopeAttentionStage, kOProjNormStage, kFfnStage, kLmHeadStage };
+  // kRopeStage ends at qkv_rope (prefill only): its time counts in rope_attention too.
+  enum { kEmbedStage, kNormQkvStage, kRopeStage, kRopeAttentionStage, kOProjNormStage, kFfnStage, kLmHeadStage };
   bool stage_timing = false;
   bool capturing = false;
   std::vector<cudaEvent_t> events;
@@ -115,13 +116,14 @@ struct CudaModel::Impl {
   // Adds the time between consecutive marks to the later mark's stage.
   void fold_stages() {
     TWELL_CUDA_CHECK(cudaStreamSynchronize(stream));
-    double* by_stage[] = {&stage_ms.embed, &stage_ms.norm_qkv, &stage_ms.rope_attention, &stage_ms.o_proj_norm,
-                          &stage_ms.ffn, &stage_ms.lm_head};
+    double* by_stage[] = {&stage_ms.embed, &stage_ms.norm_qkv, &stage_ms.rope, &stage_ms.rope_attention,
+                          &stage_ms.o_proj_norm, &stage_ms.ffn, &stage_ms.lm_head};
     for (size_t i = 1; i < mark_stage.size(); ++i) {
       if (mark_stage[i] == kNoStage) continue;
       float ms = 0;
       TWELL_CUDA_CHECK(cudaEventElapsedTime(&ms, events[i - 1], events[i]));
       *by_stage[mark_stage[i]] += ms;
+      if (mark_stage[i] == kRopeStage) stage_ms.rope_attention += ms;
     }
     mark_stage.clear();
   }
@@ -236,6 +238,7 @@ struct CudaModel::Impl {
       } else {
         mk::qkv_rope(qkv.data(), layer.bqkv.get(), shape, length_device.data(), rope_theta, q.data(), k_layer, v_layer,
                      stream);
+        mark(kRopeStage);
         if (fused_prefill_attention_supports(c.head_dim))
           fused_prefill_attention(q.data(), k_layer, v_layer, shape, length, scale, attention.data(), stream);
         else

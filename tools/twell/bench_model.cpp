@@ -181,6 +181,7 @@ PhaseTimes time_cuda(cuda::CudaModel& gpu, const BenchModelOptions& options, con
   times.prefill_stage_ms = {{"embed", stages.embed},
                             {"norm_qkv", stages.norm_qkv},
                             {"rope_attention", stages.rope_attention},
+                            {"rope", stages.rope},
                             {"o_proj_norm", stages.o_proj_norm},
                             {"ffn", stages.ffn}};
   return times;
