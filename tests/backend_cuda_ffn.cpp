@@ -262,42 +262,94 @@ TEST_F(CudaFfnFromTwell, DensityIsKeptPerRowCount) {
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }
 
-// The dispatch's memory of densities (no GPU): a plain TwELL call's density keys later calls of
-// its own M bucket only; a split's sparse density is compared with its own layer's first, and 2
-// buckets off marks a recheck of that M bucket, taken once.
+// The dispatch's memory of densities (no GPU): a plain TwELL call's density keys later calls of its
+// own M bucket on its own weights (others borrow the newest of that M bucket); a split's sparse
+// density is compared with its own weights' first, or, while they borrow, with the first split of
+// any weights in the bucket; 2 buckets off marks a recheck of those weights at that M bucket, taken
+// once.
 TEST(FfnDensityBook, DensitiesPerRowCountAndSplitsPerLayer) {
   using Call = cuda::FfnDensityBook::Call;
   cuda::FfnDensityBook book(4);
-  EXPECT_EQ(book.nnz_per_row(4096), -1.0);
-  book.issue(0, Call{.rows = 4096, .hot = 0, .bucket = 1});
-  book.issue(1, Call{.rows = 1, .hot = 0, .bucket = 2});
+  const int layer_a = 0, layer_b = 0, layer_c = 0, layer_d = 0;
+  EXPECT_EQ(book.nnz_per_row(4096, &layer_a), -1.0);
+  book.issue(0, Call{.rows = 4096, .hot = 0, .bucket = 1, .layer = &layer_a});
+  book.issue(1, Call{.rows = 1, .hot = 0, .bucket = 2, .layer = &layer_a});
   book.observe(0, 4096 * 82);
   book.observe(1, 4014);  // a batch-1 row far denser than the 4096 rows' average
-  EXPECT_EQ(book.nnz_per_row(4096), 82.0);
-  EXPECT_EQ(book.nnz_per_row(3000), 82.0);  // the same M bucket (ceil log2)
-  EXPECT_EQ(book.nnz_per_row(1), 4014.0);
-  EXPECT_EQ(book.nnz_per_row(16), -1.0);
+  EXPECT_EQ(book.nnz_per_row(4096, &layer_a), 82.0);
+  EXPECT_EQ(book.nnz_per_row(3000, &layer_a), 82.0);  // the same M bucket (ceil log2)
+  EXPECT_EQ(book.nnz_per_row(1, &layer_a), 4014.0);
+  EXPECT_EQ(book.nnz_per_row(16, &layer_a), -1.0);
+  EXPECT_EQ(book.nnz_per_row(4096, &layer_c), 82.0);  // borrowed: layer c was never seen plain
+  book.issue(0, Call{.rows = 4096, .hot = 0, .bucket = 1, .layer = &layer_b});
+  book.observe(0, 4096 * 20);
+  EXPECT_EQ(book.nnz_per_row(4096, &layer_b), 20.0);
+  EXPECT_EQ(book.nnz_per_row(4096, &layer_a), 82.0);  // its own, not the newest
+  EXPECT_EQ(book.nnz_per_row(4096, &layer_c), 20.0);  // the newest
 
-  // Two layers whose split parts lie 2 buckets apart (160 and 40 per row): no recheck.
-  const int layer_a = 0, layer_b = 0;
+  // Two layers with densities of their own whose split parts lie 2 buckets apart (160 and 40 per
+  // row): no recheck.
   book.issue(2, Call{.rows = 4096, .hot = 512, .bucket = 7, .layer = &layer_a});
   book.observe(2, 4096 * 160);
   book.issue(3, Call{.rows = 4096, .hot = 512, .bucket = 7, .layer = &layer_b});
   book.observe(3, 4096 * 40);
-  EXPECT_FALSE(book.take_recheck(4096));
+  EXPECT_FALSE(book.take_recheck(4096, &layer_a));
+  EXPECT_FALSE(book.take_recheck(4096, &layer_b));
   // One bucket off on its own layer (160 -> 80): call-to-call noise, no recheck.
   book.issue(2, Call{.rows = 4096, .hot = 512, .bucket = 7, .layer = &layer_a});
   book.observe(2, 4096 * 80);
-  EXPECT_FALSE(book.take_recheck(4096));
-  // Two buckets off on its own layer (160 -> 40): the next call of that M bucket rechecks, once.
+  EXPECT_FALSE(book.take_recheck(4096, &layer_a));
+  // Two buckets off on its own layer (160 -> 40): the next call of that M bucket on it rechecks, once.
   book.issue(2, Call{.rows = 4096, .hot = 512, .bucket = 7, .layer = &layer_a});
   book.observe(2, 4096 * 40);
-  EXPECT_FALSE(book.take_recheck(1));
-  EXPECT_TRUE(book.take_recheck(4096));
-  EXPECT_FALSE(book.take_recheck(4096));
-  EXPECT_EQ(book.nnz_per_row(4096), 82.0);  // a split's density is not the layer's
+  EXPECT_FALSE(book.take_recheck(1, &layer_a));
+  EXPECT_FALSE(book.take_recheck(4096, &layer_b));
+  EXPECT_TRUE(book.take_recheck(4096, &layer_a));
+  EXPECT_FALSE(book.take_recheck(4096, &layer_a));
+  EXPECT_EQ(book.nnz_per_row(4096, &layer_a), 82.0);  // a split's density is not the layer's
+
+  // Borrowing layers (new weights): one whose first split is 2 buckets from the bucket's first
+  // (layer a's 160 -> 640) is rechecked; one within a bucket of it (160 -> 200) is not.
+  book.issue(2, Call{.rows = 4096, .hot = 512, .bucket = 7, .layer = &layer_c});
+  book.observe(2, 4096 * 640);
+  book.issue(3, Call{.rows = 4096, .hot = 512, .bucket = 7, .layer = &layer_d});
+  book.observe(3, 4096 * 200);
+  EXPECT_TRUE(book.take_recheck(4096, &layer_c));
+  EXPECT_FALSE(book.take_recheck(4096, &layer_d));
+  // Its later splits compare with its own first: no recheck again at the same density.
+  book.issue(2, Call{.rows = 4096, .hot = 512, .bucket = 7, .layer = &layer_c});
+  book.observe(2, 4096 * 640);
+  EXPECT_FALSE(book.take_recheck(4096, &layer_c));
 
   EXPECT_THROW(cuda::FfnDensityBook(0), Error);
+}
+
+// The bench's grid runs one SparseFfn over new weights at each density. Weights 10x denser than
+// the ones the split was chosen on, keyed by the earlier weights' density, ran that split for good
+// (0.24x dense at 10%): now their first split, far from the bucket's first, makes the next call a
+// plain TwELL recheck, and their own density keys them from then on.
+TEST_F(CudaFfnFromTwell, NewWeightsOfAnotherDensityAreLookedAtAgain) {
+  cuda::SparseFfn ffn({.tile = 128, .compression = 4, .allow_dense = false, .hot_fractions = {0.9}});
+  std::vector<Workload> inputs;
+  std::vector<cuda::DeviceFfnWeights> layers;
+  std::vector<cuda::DeviceArray<bf16>> xs;
+  for (const double density : {0.05, 0.5}) {
+    inputs.push_back(make_workload({.rows = 4096, .d_model = 512, .d_hidden = 4096, .density = density, .seed = 34}));
+    layers.push_back(cuda::upload_weights(inputs.back().weights));
+    xs.push_back(cuda::upload_bf16(inputs.back().x.data(), inputs.back().x.size()));
+  }
+  const cuda::DeviceArray<bf16> y = cuda::make_device_array<bf16>(inputs[0].x.size());
+  for (int call = 0; call < 20; ++call) ffn.run(xs[0].get(), 4096, layers[0], y.get());
+  ASSERT_FALSE(ffn.last_call_measured()) << "the first weights never settled";
+  ASSERT_EQ(ffn.last_hot_neurons(), 3712) << "expected the split on the first weights";
+  int measured = 0;
+  for (int call = 0; call < 20; ++call) {
+    ffn.run(xs[1].get(), 4096, layers[1], y.get());
+    if (call < 4) measured += ffn.last_call_measured();
+    if (call >= 16) EXPECT_FALSE(ffn.last_call_measured()) << "call " << call << " on the denser weights";
+  }
+  EXPECT_GT(measured, 0) << "the denser weights ran the first weights' choice without a look";
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }
 
 TEST_F(CudaFfnFromTwell, ViewsOfNeuronRangesStayInside) {

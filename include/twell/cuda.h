@@ -183,7 +183,8 @@ class DenseFfn {
 };
 
 // The FFN with dispatch. Rule: for each (M bucket = ceil(log2 M), density bucket = floor(log2(1 +
-// non-zeros per row)) of the latest TwELL packing of that M bucket whose counters have arrived), the
+// non-zeros per row)) of the latest plain TwELL packing of that M bucket on the same weights whose
+// counters have arrived, else of the latest on any weights: a model shares one SparseFfn), the
 // first call of a bucket runs TwELL and the second runs dense, each once untimed (one-time costs
 // such as plans and allocations) and then 5 times timed with CUDA events, the median kept (one
 // synchronization each; the median, not the fastest, because one lucky TwELL run flipped M = 16 to a
@@ -204,9 +205,12 @@ class DenseFfn {
 // few neurons active for many tokens then cost a dense GEMM's share instead of two weight rows per
 // non-zero. A split call measures only its sparse part's density, so it does not update the layer's;
 // it is compared with the one its path saw when first run in the bucket on the same weights (a model
-// shares one SparseFfn among its layers, whose densities differ), and when its density bucket
-// differs by 2 or more (the input changed by a factor of 4; one bucket is the call-to-call noise of
-// few rows), the next call of that M bucket runs plain TwELL to observe the layer's density again.
+// shares one SparseFfn among its layers, whose densities differ) or, while those weights run on
+// another layer's density (new weights), with the first split any weights ran in the bucket. When
+// its density bucket differs by 2 or more (the input changed by a factor of 4; one bucket is the
+// call-to-call noise of few rows), the next call of that M bucket on those weights runs plain TwELL
+// to observe their density again. (Without the second comparison, new weights 20x denser kept the
+// split chosen at 0.5%: 0.24x dense at 10%.)
 // The two parts of a split run side by side (split_side_stream): TwELL writes y on the caller's
 // stream while the dense part's gate and up GEMMs run on a second stream of the op's own; only its
 // down GEMM waits for TwELL's y and adds to it. The tensor-core GEMMs and the L2-bound up+down kernel
@@ -265,10 +269,11 @@ class SparseFfn {
   DeviceTwell packed_;
   DenseFfn dense_{DenseFfn::kFusedGateMinRows};  // the dense path and a split's dense part
   std::map<int64_t, std::vector<float>> timings_;  // per bucket: median ms per path, < 0 unmeasured
-  // The densities seen, per M bucket: a call is keyed by its own M's. One density for all M let a
-  // batch-1 decode step's single row (noisy, often a bucket off) key the next prefill into a bucket
-  // whose TwELL time never arrives (it goes to the bucket of the density the timed run measures), so
-  // every such prefill ran a timed TwELL call: ~50 ms of the 2B forward (docs/perf-notes.md).
+  // The densities seen, per M bucket and weights: a call is keyed by its own M's. One density for
+  // all M let a batch-1 decode step's single row (noisy, often a bucket off) key the next prefill
+  // into a bucket whose TwELL time never arrives (it goes to the bucket of the density the timed run
+  // measures), so every such prefill ran a timed TwELL call: ~50 ms of the 2B forward
+  // (docs/perf-notes.md).
   std::unique_ptr<FfnDensityBook> densities_;
   int64_t current_bucket_ = 0;  // of the call being issued
   int last_path_ = kTwellPath;

@@ -6,6 +6,7 @@
 #include <map>
 #include <set>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace twell::cuda {
@@ -23,20 +24,27 @@ class FfnDensityBook {
   explicit FfnDensityBook(int slots);
 
   void issue(int slot, const Call& call);
-  // The non-zeros the call in `slot` packed. A plain TwELL call's density becomes its M bucket's; a
-  // split's is compared with the first one the same (bucket, hot, layer) saw, and 2 density buckets
-  // off (a factor of 4) marks its M bucket for a recheck.
+  // The non-zeros the call in `slot` packed. A plain TwELL call's density becomes its layer's at its
+  // M bucket (and that M bucket's newest). A split's is compared with the first one the same
+  // (bucket, hot, layer) saw; a layer's first split in a bucket, while the layer has no density of
+  // its own at that M bucket (it runs on another layer's), with the first split any layer ran there.
+  // 2 density buckets off (a factor of 4) marks (M bucket, layer) for a recheck.
   void observe(int slot, uint64_t nnz);
-  // Non-zeros per row last seen at the M bucket of `rows`; -1 while none was.
-  double nnz_per_row(int64_t rows) const;
-  // Whether the next call of `rows` runs plain TwELL to see the density again; clears the mark.
-  bool take_recheck(int64_t rows);
+  // Non-zeros per row last seen on `layer` at the M bucket of `rows`, else the newest any layer showed
+  // at that M bucket; -1 while none was.
+  double nnz_per_row(int64_t rows, const void* layer) const;
+  // Whether the next call of `rows` on `layer` runs plain TwELL to see the density again; clears the
+  // mark.
+  bool take_recheck(int64_t rows, const void* layer);
 
  private:
-  std::vector<Call> calls_;                 // per slot
-  std::map<int64_t, double> nnz_per_row_;  // per M bucket
-  std::map<std::tuple<int64_t, int32_t, const void*>, int64_t> split_density_buckets_;
-  std::set<int64_t> recheck_rows_;  // M buckets
+  using LayerAtRows = std::pair<int64_t, const void*>;  // (M bucket, layer)
+  std::vector<Call> calls_;                              // per slot
+  std::map<int64_t, double> newest_nnz_per_row_;         // per M bucket, any layer
+  std::map<LayerAtRows, double> layer_nnz_per_row_;
+  std::map<std::tuple<int64_t, int32_t, const void*>, int64_t> split_density_buckets_;  // first per layer
+  std::map<std::pair<int64_t, int32_t>, int64_t> first_split_density_buckets_;         // first of any layer
+  std::set<LayerAtRows> rechecks_;
 };
 
 }  // namespace twell::cuda

@@ -136,18 +136,19 @@ void SparseFfn::run(const bf16* x, int64_t rows, const DeviceFfnView& weights, b
     finish(kTwellPath);
     return;
   }
+  const void* layer = weights.relu_projection();
   const auto bucket = [&]() -> std::vector<float>& {
-    std::vector<float>& ms = timings_[call_bucket(rows, densities_->nnz_per_row(rows))];
+    std::vector<float>& ms = timings_[call_bucket(rows, densities_->nnz_per_row(rows, layer))];
     if (ms.empty()) ms.assign(static_cast<size_t>(path_count()), -1.0f);
     return ms;
   };
   read_counters();
-  if (densities_->take_recheck(rows)) {
+  if (densities_->take_recheck(rows, layer)) {
     run_path(kTwellPath, x, rows, weights, y, stream);
     finish(kTwellPath, /*measured=*/true);
     return;
   }
-  current_bucket_ = call_bucket(rows, densities_->nnz_per_row(rows));
+  current_bucket_ = call_bucket(rows, densities_->nnz_per_row(rows, layer));
   std::vector<float>& timing = bucket();
   if (timing[kTwellPath] < 0) {
     const float twell_ms = timed_run(kTwellPath, x, rows, weights, y, stream);
