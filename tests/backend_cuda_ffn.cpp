@@ -342,13 +342,17 @@ TEST_F(CudaFfnFromTwell, NewWeightsOfAnotherDensityAreLookedAtAgain) {
   for (int call = 0; call < 20; ++call) ffn.run(xs[0].get(), 4096, layers[0], y.get());
   ASSERT_FALSE(ffn.last_call_measured()) << "the first weights never settled";
   ASSERT_EQ(ffn.last_hot_neurons(), 3712) << "expected the split on the first weights";
-  int measured = 0;
-  for (int call = 0; call < 20; ++call) {
+  // The counters of a call arrive while the host runs ahead: a call reads the newest that finished,
+  // and waits only when kCounterSlots (4) calls are unread, so the first split on the denser
+  // weights is seen by the fifth call at the latest, which then rechecks.
+  int first_measured = -1;
+  for (int call = 0; call < 30; ++call) {
     ffn.run(xs[1].get(), 4096, layers[1], y.get());
-    if (call < 4) measured += ffn.last_call_measured();
-    if (call >= 16) EXPECT_FALSE(ffn.last_call_measured()) << "call " << call << " on the denser weights";
+    if (first_measured < 0 && ffn.last_call_measured()) first_measured = call;
+    if (call >= 24) EXPECT_FALSE(ffn.last_call_measured()) << "call " << call << " on the denser weights";
   }
-  EXPECT_GT(measured, 0) << "the denser weights ran the first weights' choice without a look";
+  EXPECT_GE(first_measured, 0) << "the denser weights ran the first weights' choice without a look";
+  EXPECT_LE(first_measured, 4) << "the recheck came later than the counters allow";
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }
 
