@@ -216,20 +216,32 @@ TEST_F(CudaFfnFromTwell, SplitIsRecheckedWhenTheDensityChanges) {
 // own layer's earlier calls, not another layer's. Two layers whose sparse parts lie 2 buckets apart
 // (a factor of 4), both taking the split, run it call after call once the paths are timed. Compared
 // across layers, every other call here was a recheck of plain TwELL.
-TEST_F(CudaFfnFromTwell, LayersOfDifferentDensitiesKeepTheirSplitsWithoutRechecks) {
-  cuda::SparseFfn ffn({.tile = 128, .compression = 4, .allow_dense = false, .hot_fractions = {0.9}});
-  std::vector<Workload> inputs;
-  std::vector<cuda::DeviceFfnWeights> layers;
+// Layers of one shape (4096 rows, D 512, H 4096) at the given densities for the dispatch tests, run
+// through a SparseFfn that chooses between TwELL and a split at 90% of H (no all-dense path).
+struct DispatchLayers {
+  static constexpr int64_t kRows = 4096;
+  std::vector<cuda::DeviceFfnWeights> weights;
   std::vector<cuda::DeviceArray<bf16>> xs;
-  for (const double density : {0.4, 0.1}) {
-    inputs.push_back(make_workload({.rows = 4096, .d_model = 512, .d_hidden = 4096, .density = density, .seed = 32}));
-    layers.push_back(cuda::upload_weights(inputs.back().weights));
-    xs.push_back(cuda::upload_bf16(inputs.back().x.data(), inputs.back().x.size()));
+  cuda::DeviceArray<bf16> y = cuda::make_device_array<bf16>(kRows * 512);
+  cuda::SparseFfn ffn{{.tile = 128, .compression = 4, .allow_dense = false, .hot_fractions = {0.9}}};
+
+  DispatchLayers(std::initializer_list<double> densities, uint64_t seed) {
+    for (const double density : densities) {
+      const Workload work =
+          make_workload({.rows = kRows, .d_model = 512, .d_hidden = 4096, .density = density, .seed = seed});
+      weights.push_back(cuda::upload_weights(work.weights));
+      xs.push_back(cuda::upload_bf16(work.x.data(), work.x.size()));
+    }
   }
-  const cuda::DeviceArray<bf16> y = cuda::make_device_array<bf16>(inputs[0].x.size());
+  void run(size_t layer) { ffn.run(xs[layer].get(), kRows, weights[layer], y.get()); }
+};
+
+TEST_F(CudaFfnFromTwell, LayersOfDifferentDensitiesKeepTheirSplitsWithoutRechecks) {
+  DispatchLayers layers({0.4, 0.1}, 32);
+  cuda::SparseFfn& ffn = layers.ffn;
   for (int call = 0; call < 40; ++call) {
     const size_t layer = call % 2;
-    ffn.run(xs[layer].get(), 4096, layers[layer], y.get());
+    layers.run(layer);
     if (call < 30) continue;
     SCOPED_TRACE(testing::Message() << "call " << call << ", layer " << layer);
     EXPECT_FALSE(ffn.last_call_measured());
@@ -281,27 +293,27 @@ TEST(FfnDensityBook, DensitiesPerRowCountAndSplitsPerLayer) {
   EXPECT_EQ(book.nnz_per_row(1, &layer_a), 4014.0);
   EXPECT_EQ(book.nnz_per_row(16, &layer_a), -1.0);
   EXPECT_EQ(book.nnz_per_row(4096, &layer_c), 82.0);  // borrowed: layer c was never seen plain
-  book.issue(0, Call{.rows = 4096, .hot = 0, .bucket = 1, .layer = &layer_b});
-  book.observe(0, 4096 * 20);
+  // A call of 4096 rows on `layer` (hot > 0: a split's) with `per_row` non-zeros per row.
+  const auto seen = [&](const int* layer, int32_t hot, uint64_t per_row) {
+    book.issue(2, Call{.rows = 4096, .hot = hot, .bucket = hot > 0 ? 7 : 1, .layer = layer});
+    book.observe(2, 4096 * per_row);
+  };
+  seen(&layer_b, 0, 20);
   EXPECT_EQ(book.nnz_per_row(4096, &layer_b), 20.0);
   EXPECT_EQ(book.nnz_per_row(4096, &layer_a), 82.0);  // its own, not the newest
   EXPECT_EQ(book.nnz_per_row(4096, &layer_c), 20.0);  // the newest
 
   // Two layers with densities of their own whose split parts lie 2 buckets apart (160 and 40 per
   // row): no recheck.
-  book.issue(2, Call{.rows = 4096, .hot = 512, .bucket = 7, .layer = &layer_a});
-  book.observe(2, 4096 * 160);
-  book.issue(3, Call{.rows = 4096, .hot = 512, .bucket = 7, .layer = &layer_b});
-  book.observe(3, 4096 * 40);
+  seen(&layer_a, 512, 160);
+  seen(&layer_b, 512, 40);
   EXPECT_FALSE(book.take_recheck(4096, &layer_a));
   EXPECT_FALSE(book.take_recheck(4096, &layer_b));
   // One bucket off on its own layer (160 -> 80): call-to-call noise, no recheck.
-  book.issue(2, Call{.rows = 4096, .hot = 512, .bucket = 7, .layer = &layer_a});
-  book.observe(2, 4096 * 80);
+  seen(&layer_a, 512, 80);
   EXPECT_FALSE(book.take_recheck(4096, &layer_a));
   // Two buckets off on its own layer (160 -> 40): the next call of that M bucket on it rechecks, once.
-  book.issue(2, Call{.rows = 4096, .hot = 512, .bucket = 7, .layer = &layer_a});
-  book.observe(2, 4096 * 40);
+  seen(&layer_a, 512, 40);
   EXPECT_FALSE(book.take_recheck(1, &layer_a));
   EXPECT_FALSE(book.take_recheck(4096, &layer_b));
   EXPECT_TRUE(book.take_recheck(4096, &layer_a));
@@ -310,15 +322,12 @@ TEST(FfnDensityBook, DensitiesPerRowCountAndSplitsPerLayer) {
 
   // Borrowing layers (new weights): one whose first split is 2 buckets from the bucket's first
   // (layer a's 160 -> 640) is rechecked; one within a bucket of it (160 -> 200) is not.
-  book.issue(2, Call{.rows = 4096, .hot = 512, .bucket = 7, .layer = &layer_c});
-  book.observe(2, 4096 * 640);
-  book.issue(3, Call{.rows = 4096, .hot = 512, .bucket = 7, .layer = &layer_d});
-  book.observe(3, 4096 * 200);
+  seen(&layer_c, 512, 640);
+  seen(&layer_d, 512, 200);
   EXPECT_TRUE(book.take_recheck(4096, &layer_c));
   EXPECT_FALSE(book.take_recheck(4096, &layer_d));
   // Its later splits compare with its own first: no recheck again at the same density.
-  book.issue(2, Call{.rows = 4096, .hot = 512, .bucket = 7, .layer = &layer_c});
-  book.observe(2, 4096 * 640);
+  seen(&layer_c, 512, 640);
   EXPECT_FALSE(book.take_recheck(4096, &layer_c));
 
   EXPECT_THROW(cuda::FfnDensityBook(0), Error);
@@ -329,17 +338,9 @@ TEST(FfnDensityBook, DensitiesPerRowCountAndSplitsPerLayer) {
 // (0.24x dense at 10%): now their first split, far from the bucket's first, makes the next call a
 // plain TwELL recheck, and their own density keys them from then on.
 TEST_F(CudaFfnFromTwell, NewWeightsOfAnotherDensityAreLookedAtAgain) {
-  cuda::SparseFfn ffn({.tile = 128, .compression = 4, .allow_dense = false, .hot_fractions = {0.9}});
-  std::vector<Workload> inputs;
-  std::vector<cuda::DeviceFfnWeights> layers;
-  std::vector<cuda::DeviceArray<bf16>> xs;
-  for (const double density : {0.05, 0.5}) {
-    inputs.push_back(make_workload({.rows = 4096, .d_model = 512, .d_hidden = 4096, .density = density, .seed = 34}));
-    layers.push_back(cuda::upload_weights(inputs.back().weights));
-    xs.push_back(cuda::upload_bf16(inputs.back().x.data(), inputs.back().x.size()));
-  }
-  const cuda::DeviceArray<bf16> y = cuda::make_device_array<bf16>(inputs[0].x.size());
-  for (int call = 0; call < 20; ++call) ffn.run(xs[0].get(), 4096, layers[0], y.get());
+  DispatchLayers layers({0.05, 0.5}, 34);
+  cuda::SparseFfn& ffn = layers.ffn;
+  for (int call = 0; call < 20; ++call) layers.run(0);
   ASSERT_FALSE(ffn.last_call_measured()) << "the first weights never settled";
   ASSERT_EQ(ffn.last_hot_neurons(), 3712) << "expected the split on the first weights";
   // The counters of a call arrive while the host runs ahead: a call reads the newest that finished,
@@ -347,7 +348,7 @@ TEST_F(CudaFfnFromTwell, NewWeightsOfAnotherDensityAreLookedAtAgain) {
   // weights is seen by the fifth call at the latest, which then rechecks.
   int first_measured = -1;
   for (int call = 0; call < 30; ++call) {
-    ffn.run(xs[1].get(), 4096, layers[1], y.get());
+    layers.run(1);
     if (first_measured < 0 && ffn.last_call_measured()) first_measured = call;
     if (call >= 24) EXPECT_FALSE(ffn.last_call_measured()) << "call " << call << " on the denser weights";
   }
