@@ -84,11 +84,11 @@ cuda::DeviceArray<bf16> poisoned_y(int64_t rows, int32_t d_model) {
 std::string cuda_skip_reason() { return cuda::available() ? "" : "no CUDA device is available"; }
 
 // cuda::DenseFfn on the padded shapes.
-void dense_ffn_padded(const float* x, int64_t rows, const FfnWeights& weights, float* y, int64_t fuse_gate_from_rows) {
+void dense_ffn_padded(const float* x, int64_t rows, const FfnWeights& weights, float* y, cuda::DenseFfnOptions options) {
   const cuda::DeviceFfnWeights device_weights = cuda::upload_weights(pad_weights(weights));
   const cuda::DeviceArray<bf16> device_x = upload_x(x, rows, weights.d_model);
   const cuda::DeviceArray<bf16> device_y = poisoned_y(rows, weights.d_model);
-  cuda::DenseFfn dense(fuse_gate_from_rows);
+  cuda::DenseFfn dense(options);
   dense.run(device_x.get(), rows, device_weights, device_y.get());
   download_y(device_y.get(), rows, weights.d_model, y);
 }
@@ -101,7 +101,19 @@ const bool registered_fused_gate = test::register_backend({
     .precision = {.hidden_bf16 = true, .output_bf16 = true},
     .ffn_dense =
         [](const float* x, int64_t rows, const FfnWeights& weights, float* y) {
-          dense_ffn_padded(x, rows, weights, y, /*fuse_gate_from_rows=*/1);
+          dense_ffn_padded(x, rows, weights, y, {.fuse_gate_from_rows = 1});
+        },
+});
+
+// cuda::DenseFfn with gate and up in one batched cuBLASLt launch, never fused (as SparseFfn runs it
+// below kFusedGateMinRows rows).
+const bool registered_batched_gate_up = test::register_backend({
+    .name = "cuda_batched_gate_up",
+    .skip_reason = cuda_skip_reason,
+    .precision = {.hidden_bf16 = true, .output_bf16 = true},
+    .ffn_dense =
+        [](const float* x, int64_t rows, const FfnWeights& weights, float* y) {
+          dense_ffn_padded(x, rows, weights, y, {.batch_gate_and_up = true});
         },
 });
 
@@ -132,7 +144,7 @@ const bool registered = test::register_backend({
         },
     .ffn_dense =
         [](const float* x, int64_t rows, const FfnWeights& weights, float* y) {
-          dense_ffn_padded(x, rows, weights, y, cuda::DenseFfn::kNeverFused);
+          dense_ffn_padded(x, rows, weights, y, {});
         },
     // Not padded like the ops above: zero columns would change the sign-bit predictions.
     .decode_ffn =

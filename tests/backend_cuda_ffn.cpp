@@ -125,7 +125,7 @@ TEST_F(CudaFfnFromTwell, DenseWithTheGateInTheUpEpilogueMatchesTheBaseline) {
     const test::WorkloadOnDevice d = test::upload_workload(spec);
     const size_t count = d.work.x.size();
     const cuda::DeviceArray<bf16> y = cuda::make_device_array<bf16>(count);
-    cuda::DenseFfn baseline, fused(cuda::DenseFfn::kFusedGateMinRows);
+    cuda::DenseFfn baseline, fused({.fuse_gate_from_rows = cuda::DenseFfn::kFusedGateMinRows});
     ASSERT_EQ(cudaMemset(y.get(), 0xff, count * sizeof(bf16)), cudaSuccess);
     baseline.run(d.x.get(), spec.rows, d.weights, y.get());
     const double baseline_error = error_of(d, y);
@@ -143,6 +143,40 @@ TEST_F(CudaFfnFromTwell, DenseWithTheGateInTheUpEpilogueMatchesTheBaseline) {
     for (size_t i = 0; i < count; ++i) expected[i] += start[i];
     const std::vector<float> got = cuda::download_bf16(y_sum.get(), count);
     EXPECT_LT(relative_l2_error(got.data(), expected.data(), count), 1e-2);
+  }
+}
+
+// DenseFfn with gate and up in one batched launch, on one buffer holding Wg before Wu, Wu before Wg,
+// and the two 8 bytes off a 16-byte multiple apart (two launches then): each within 1.1x of the
+// baseline's error against float64, y poisoned first.
+TEST_F(CudaFfnFromTwell, DenseWithGateAndUpBatchedMatchesTheBaseline) {
+  const WorkloadSpec spec{.rows = 301, .d_model = 192, .d_hidden = 1000, .density = 0.1, .seed = 42};
+  const test::WorkloadOnDevice d = test::upload_workload(spec);
+  const size_t count = d.work.x.size();
+  const cuda::DeviceArray<bf16> y = cuda::make_device_array<bf16>(count);
+  const auto error_into_poisoned_y = [&](cuda::DenseFfn& ffn, const cuda::DeviceFfnView& weights) {
+    EXPECT_EQ(cudaMemset(y.get(), 0xff, count * sizeof(bf16)), cudaSuccess);
+    ffn.run(d.x.get(), spec.rows, weights, y.get());
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    return error_of(d, y);
+  };
+  cuda::DenseFfn baseline;
+  const double baseline_error = error_into_poisoned_y(baseline, d.weights);
+  EXPECT_LT(baseline_error, 1e-2);
+
+  const size_t matrix = static_cast<size_t>(spec.d_hidden) * spec.d_model;
+  const cuda::DeviceArray<bf16> buffer = cuda::make_device_array<bf16>(3 * matrix + 8);
+  const auto place = [&](const bf16* from, size_t offset) {
+    EXPECT_EQ(cudaMemcpy(buffer.get() + offset, from, matrix * sizeof(bf16), cudaMemcpyDeviceToDevice), cudaSuccess);
+    return buffer.get() + offset;
+  };
+  const bf16* down = place(d.weights.down.get(), 2 * matrix + 8);
+  for (const auto& [gate_offset, up_offset] : {std::pair<size_t, size_t>{0, matrix}, {matrix, 0}, {0, matrix + 4}}) {
+    SCOPED_TRACE(testing::Message() << "Wg at " << gate_offset << ", Wu at " << up_offset);
+    const cuda::DeviceFfnView weights{spec.d_model, spec.d_hidden, true, place(d.weights.gate.get(), gate_offset),
+                                      place(d.weights.up.get(), up_offset), down};
+    cuda::DenseFfn batched({.batch_gate_and_up = true});
+    EXPECT_LE(error_into_poisoned_y(batched, weights), 1.1 * baseline_error + 1e-6) << "baseline " << baseline_error;
   }
 }
 

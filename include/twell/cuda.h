@@ -5,7 +5,8 @@
 //   ffn_from_twell  y = Σ_j g_j·(x·Wu[j])·Wd[j] over the packed non-zeros (gated), or Σ_j g_j·Wd[j]
 //                   (non-gated); fp32 accumulation, y written once as bf16.
 //   DenseFfn        the baseline: cuBLASLt bf16 GEMMs and one elementwise kernel for act(g) ⊙ u; or,
-//                   as SparseFfn runs it, the relu gate applied in the up GEMM's epilogue instead.
+//                   as SparseFfn runs it, the relu gate applied in the up GEMM's epilogue instead,
+//                   or gate and up in one batched launch.
 //   SparseFfn       the FFN a model calls: picks TwELL or dense per call (rule in SparseFfn below).
 //
 // All pointers named x, y are device pointers to bf16 [M, D], row-major. Every op is asynchronous on
@@ -153,18 +154,27 @@ struct GateActivation {
   FfnActivation kind = FfnActivation::relu;
   float threshold = 0.0f;  // fatrelu only
 };
+// What DenseFfn does beyond the baseline's cuBLASLt GEMMs (the baseline: the defaults).
+struct DenseFfnOptions {
+  static constexpr int64_t kNeverFused = INT64_MAX;
+  // Calls of at least this many rows with a relu gate (H and D multiples of 8) apply the gate in the
+  // up GEMM's epilogue (twell's CUTLASS kernel: h = relu(g) ⊙ (x·Wu^T)) instead of cuBLASLt's up
+  // GEMM and an elementwise pass over g, u and h (cuBLASLt has no such epilogue).
+  int64_t fuse_gate_from_rows = kNeverFused;
+  // Calls not fused run the gate and up GEMMs as one cuBLASLt launch, a batch of two sharing x (where
+  // the two weight matrices lie a multiple of 8 elements apart): below a wave of output tiles, two
+  // launches leave most SMs idle twice.
+  bool batch_gate_and_up = false;
+};
 class DenseFfn {
  public:
-  // fuse_gate_from_rows: calls of at least this many rows with a relu gate (H and D multiples of 8)
-  // apply the gate in the up GEMM's epilogue (twell's CUTLASS kernel: h = relu(g) ⊙ (x·Wu^T)) instead
-  // of cuBLASLt's up GEMM and an elementwise pass over g, u and h. The baseline never does (cuBLASLt
-  // has no such epilogue); SparseFfn's dense parts do from kFusedGateMinRows: the whole dense FFN at
-  // D = 2048, H = 5632 on an H100 is 0.95x the baseline at M = 1024, 1.05x at 4096, 1.06x at 16384
-  // (docs/perf-notes.md).
+  // SparseFfn's dense path and a split's dense part (twell_options()) fuse from kFusedGateMinRows:
+  // the whole dense FFN at D = 2048, H = 5632 on an H100 is 0.95x the baseline at M = 1024, 1.05x at
+  // 4096, 1.06x at 16384 (docs/perf-notes.md); below, they batch gate and up.
   static constexpr int64_t kFusedGateMinRows = 4096;
-  static constexpr int64_t kNeverFused = INT64_MAX;
-  explicit DenseFfn(int64_t fuse_gate_from_rows = kNeverFused);
-  DenseFfn(bool) = delete;  // a row count, not a switch
+  static constexpr int64_t kNeverFused = DenseFfnOptions::kNeverFused;
+  static DenseFfnOptions twell_options() { return {.fuse_gate_from_rows = kFusedGateMinRows, .batch_gate_and_up = true}; }
+  explicit DenseFfn(DenseFfnOptions options = {});
   ~DenseFfn();
   DenseFfn(DenseFfn&&) noexcept;
   DenseFfn& operator=(DenseFfn&&) noexcept;
@@ -267,7 +277,7 @@ class SparseFfn {
 
   SparseFfnOptions options_;
   DeviceTwell packed_;
-  DenseFfn dense_{DenseFfn::kFusedGateMinRows};  // the dense path and a split's dense part
+  DenseFfn dense_{DenseFfn::twell_options()};  // the dense path and a split's dense part
   std::map<int64_t, std::vector<float>> timings_;  // per bucket: median ms per path, < 0 unmeasured
   // The densities seen, per M bucket and weights: a call is keyed by its own M's. One density for
   // all M let a batch-1 decode step's single row (noisy, often a bucket off) key the next prefill

@@ -6,11 +6,13 @@
 // Non-gated: u = relu(x·Wu^T) (ReLU fused in the GEMM epilogue), y = u·Wd.
 // From fuse_gate_from_rows rows on (cuda.h), a relu gate goes into the up GEMM's epilogue (gated_up_gemm.h):
 //   g = x·Wg^T,  h = relu(g) ⊙ (x·Wu^T),  y = h·Wd.
+// Below, with batch_gate_and_up, g and u come from one cuBLASLt launch (a batch of two, x shared).
 // The activation sits in the elementwise kernel rather than the gate GEMM's epilogue: that kernel
 // reads g anyway, so relu costs nothing there, and silu / fatrelu need it.
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <cstdint>
 
 #include "cuda/cuda_utils.h"
 #include "cuda/gated_up_gemm.h"
@@ -66,21 +68,18 @@ void activate_multiply(const bf16* gate, bf16* up, int64_t count, GateActivation
 }
 
 struct DenseFfn::Impl {
-  int64_t fuse_gate_from_rows = kNeverFused;
+  DenseFfnOptions options;
   RowMajorGemm gemm;
-  DeviceBuffer<bf16> gate;  // [M, H]
-  DeviceBuffer<bf16> up;    // [M, H], then h
+  DeviceBuffer<bf16> hidden;  // [2, M, H]: g and u (then h) in the order of Wg and Wu in memory
 };
 
-DenseFfn::DenseFfn(int64_t fuse_gate_from_rows) : impl_(std::make_unique<Impl>()) {
-  impl_->fuse_gate_from_rows = fuse_gate_from_rows;
-}
+DenseFfn::DenseFfn(DenseFfnOptions options) : impl_(std::make_unique<Impl>()) { impl_->options = options; }
 DenseFfn::~DenseFfn() = default;
 DenseFfn::DenseFfn(DenseFfn&&) noexcept = default;
 DenseFfn& DenseFfn::operator=(DenseFfn&&) noexcept = default;
 
 int64_t DenseFfn::scratch_bytes() const {
-  return impl_->gemm.workspace_bytes() + static_cast<int64_t>(impl_->gate.bytes() + impl_->up.bytes());
+  return impl_->gemm.workspace_bytes() + static_cast<int64_t>(impl_->hidden.bytes());
 }
 
 void DenseFfn::run(const bf16* x, int64_t rows, const DeviceFfnView& weights, bf16* y, cudaStream_t stream,
@@ -90,25 +89,39 @@ void DenseFfn::run(const bf16* x, int64_t rows, const DeviceFfnView& weights, bf
                 "DenseFfn: a non-gated FFN takes relu only");
   const int64_t d = weights.d_model, h = weights.d_hidden;
   const int64_t hidden_count = rows * h;
-  impl_->up.resize(hidden_count);
+  impl_->hidden.resize(weights.gated ? 2 * hidden_count : hidden_count);
   RowMajorGemm& gemm = impl_->gemm;
-  if (weights.gated) {
-    impl_->gate.resize(hidden_count);
-    gemm.run(rows, h, d, {x, d, false}, {weights.gate, d, true}, impl_->gate.data(), h, GemmOutput::bf16, 0.0f,
-             stream);
-  }
-  if (weights.gated && activation.kind == FfnActivation::relu && rows >= impl_->fuse_gate_from_rows &&
-      relu_gated_up_supported(h, d)) {
-    relu_gated_up_gemm(x, rows, weights.up, h, d, impl_->gate.data(), impl_->up.data(), stream);
+  const DenseFfnOptions& options = impl_->options;
+  const bool fused = weights.gated && activation.kind == FfnActivation::relu && rows >= options.fuse_gate_from_rows &&
+                     relu_gated_up_supported(h, d);
+  // A batch's second matrix lies gap_bytes after its first: Wg and Wu in memory order, and their
+  // outputs in the same order in `hidden`, so that every stride is positive.
+  const auto address = [](const bf16* p) { return reinterpret_cast<std::uintptr_t>(p); };
+  const bool up_first = weights.gated && address(weights.up) < address(weights.gate);
+  const std::uintptr_t gap_bytes =
+      weights.gated ? (up_first ? address(weights.gate) - address(weights.up) : address(weights.up) - address(weights.gate))
+                    : 0;
+  bf16* const gate_out = impl_->hidden.data() + (up_first ? hidden_count : 0);
+  bf16* const up_out = impl_->hidden.data() + (weights.gated && !up_first ? hidden_count : 0);
+  if (weights.gated && !fused && options.batch_gate_and_up && gap_bytes % 16 == 0) {
+    gemm.run(rows, h, d, {x, d, false}, {up_first ? weights.up : weights.gate, d, true}, up_first ? up_out : gate_out,
+             h, GemmOutput::bf16, 0.0f, stream, GemmEpilogue::none,
+             {.count = 2, .stride_a = 0, .stride_b = static_cast<int64_t>(gap_bytes / sizeof(bf16)), .stride_c = hidden_count});
   } else {
-    gemm.run(rows, h, d, {x, d, false}, {weights.up, d, true}, impl_->up.data(), h, GemmOutput::bf16, 0.0f, stream,
-             weights.gated ? GemmEpilogue::none : GemmEpilogue::relu);
-    if (weights.gated) activate_multiply(impl_->gate.data(), impl_->up.data(), hidden_count, activation, stream);
+    if (weights.gated)
+      gemm.run(rows, h, d, {x, d, false}, {weights.gate, d, true}, gate_out, h, GemmOutput::bf16, 0.0f, stream);
+    if (fused) {
+      relu_gated_up_gemm(x, rows, weights.up, h, d, gate_out, up_out, stream);
+    } else {
+      gemm.run(rows, h, d, {x, d, false}, {weights.up, d, true}, up_out, h, GemmOutput::bf16, 0.0f, stream,
+               weights.gated ? GemmEpilogue::none : GemmEpilogue::relu);
+    }
   }
+  if (weights.gated && !fused) activate_multiply(gate_out, up_out, hidden_count, activation, stream);
   // y [M, D] (+)= h [M, H] · Wd [H, D]
   if (y_ready) TWELL_CUDA_CHECK(cudaStreamWaitEvent(stream, y_ready));
-  gemm.run(rows, d, h, {impl_->up.data(), h, false}, {weights.down, d, false}, y, d, GemmOutput::bf16,
-           add_to_y ? 1.0f : 0.0f, stream);
+  gemm.run(rows, d, h, {up_out, h, false}, {weights.down, d, false}, y, d, GemmOutput::bf16, add_to_y ? 1.0f : 0.0f,
+           stream);
 }
 
 }  // namespace twell::cuda

@@ -1,7 +1,8 @@
 // `twell bench ffn --device cuda`: the CUDA implementations the driver (bench_ffn.cpp) times.
 //   dense       cuBLASLt bf16 GEMMs (cuda::DenseFfn), the baseline of every ratio
-//   dense_fused cuda::DenseFfn with the relu gate in the up GEMM's epilogue from kFusedGateMinRows
-//               rows on, as SparseFfn's dense path and split parts run it
+//   dense_fused cuda::DenseFfn as SparseFfn's dense path and split parts run it (twell_options()): the
+//               relu gate in the up GEMM's epilogue from kFusedGateMinRows rows on, gate and up in one
+//               batched cuBLASLt launch below
 //   twell       gate GEMM -> TwELL, then the fused up+down kernel (always sparse); its record also
 //               gives each kernel's median time alone (extra gate_ms, ffn_from_twell_ms)
 //   twell_split cuda::SparseFfn without its all-dense path: TwELL, or the neurons most often active
@@ -96,7 +97,7 @@ class CudaImpl : public FfnBenchImpl {
 class CudaDense : public CudaImpl {
  public:
   explicit CudaDense(bool fuse_gate)
-      : dense_(fuse_gate ? cuda::DenseFfn::kFusedGateMinRows : cuda::DenseFfn::kNeverFused), fuse_gate_(fuse_gate) {}
+      : dense_(fuse_gate ? cuda::DenseFfn::twell_options() : cuda::DenseFfnOptions{}), fuse_gate_(fuse_gate) {}
   std::string name() const override { return fuse_gate_ ? "dense_fused" : "dense"; }
   int64_t peak_bytes() const override { return dense_.scratch_bytes(); }
 
