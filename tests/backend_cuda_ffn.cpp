@@ -147,8 +147,8 @@ TEST_F(CudaFfnFromTwell, DenseWithTheGateInTheUpEpilogueMatchesTheBaseline) {
 }
 
 // DenseFfn with gate and up in one batched launch, on one buffer holding Wg before Wu, Wu before Wg,
-// and the two 8 bytes off a 16-byte multiple apart (two launches then): each within 1.1x of the
-// baseline's error against float64, y poisoned first.
+// and the two 8 bytes off a 16-byte multiple apart (two launches then, Wu 8 bytes off cuBLASLt's
+// assumed alignment): each within 1.1x of the baseline's error against float64, y poisoned first.
 TEST_F(CudaFfnFromTwell, DenseWithGateAndUpBatchedMatchesTheBaseline) {
   const WorkloadSpec spec{.rows = 301, .d_model = 192, .d_hidden = 1000, .density = 0.1, .seed = 42};
   const test::WorkloadOnDevice d = test::upload_workload(spec);

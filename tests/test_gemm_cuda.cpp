@@ -2,7 +2,7 @@
 // first call): with beta = 1 the timing runs must leave the caller's C alone (it is added to
 // exactly once), a second instance, which takes the tuned choice from the first, computes the same
 // product, and with beta = 0 (timed in the caller's C) a poisoned C is overwritten. Skipped without
-// a GPU.
+// a GPU. And at any alignment: operands a few bytes off cuBLASLt's assumed 256, batch strides too.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -82,6 +82,50 @@ TEST_F(TunedGemm, AddsToCOnceAndAgreesAcrossInstances) {
   TWELL_CUDA_CHECK(
       cudaMemcpy(got_plain.data(), c.get(), got_plain.size() * sizeof(float), cudaMemcpyDeviceToHost));
   EXPECT_TRUE(matches_on_sampled_rows("C (beta 0)", got_plain, a, b, nullptr, m0, n, k));
+}
+
+// Operands 2 to 16 bytes off a 256-byte boundary, C 4 bytes off, and a batch of two whose B stride
+// is 8 bytes off a multiple of 16: cuBLASLt is told each alignment (by default it assumes 256 bytes
+// and may pick a kernel that faults), and every product is right.
+TEST_F(TunedGemm, ComputesAtAnyAlignment) {
+  const int64_t m = 37, n = 72, k = 40;
+  const std::vector<float> a = random_values(m * k, 4, true), b = random_values(2 * n * k, 5, true);
+  const cuda::DeviceArray<bf16> a_device = cuda::make_device_array<bf16>(m * k + 16);
+  const cuda::DeviceArray<bf16> b_device = cuda::make_device_array<bf16>(2 * n * k + 32);
+  cuda::DeviceArray<float> c = cuda::make_device_array<float>(2 * m * n + 8);
+  cuda::RowMajorGemm gemm;
+  for (const int64_t offset : {1, 4, 8}) {
+    SCOPED_TRACE(testing::Message() << "operands " << offset << " elements off");
+    bf16* const a_at = a_device.get() + offset;
+    bf16* const b_at = b_device.get() + offset;
+    float* const c_at = c.get() + 1;
+    const auto bits_of = [](const std::vector<float>& values) {
+      std::vector<bf16> bits(values.size());
+      for (size_t i = 0; i < values.size(); ++i) bits[i] = to_bf16(values[i]);
+      return bits;
+    };
+    const std::vector<bf16> a_bits = bits_of(a), b_bits = bits_of(b);
+    TWELL_CUDA_CHECK(cudaMemcpy(a_at, a_bits.data(), a_bits.size() * sizeof(bf16), cudaMemcpyHostToDevice));
+    // The batch's second B lies n·k + 4 elements after the first.
+    const int64_t stride_b = n * k + 4;
+    TWELL_CUDA_CHECK(cudaMemcpy(b_at, b_bits.data(), n * k * sizeof(bf16), cudaMemcpyHostToDevice));
+    TWELL_CUDA_CHECK(cudaMemcpy(b_at + stride_b, b_bits.data() + n * k, n * k * sizeof(bf16), cudaMemcpyHostToDevice));
+    TWELL_CUDA_CHECK(cudaMemset(c.get(), 0xff, (2 * m * n + 8) * sizeof(float)));
+    gemm.run(m, n, k, {a_at, k, false}, {b_at, k, true}, c_at, n, cuda::GemmOutput::f32, 0.0f, nullptr);
+    std::vector<float> got(m * n);
+    TWELL_CUDA_CHECK(cudaMemcpy(got.data(), c_at, got.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    EXPECT_TRUE(matches_on_sampled_rows("C", got, a, b, nullptr, m, n, k));
+
+    TWELL_CUDA_CHECK(cudaMemset(c.get(), 0xff, (2 * m * n + 8) * sizeof(float)));
+    gemm.run(m, n, k, {a_at, k, false}, {b_at, k, true}, c_at, n, cuda::GemmOutput::f32, 0.0f, nullptr,
+             cuda::GemmEpilogue::none, {.count = 2, .stride_a = 0, .stride_b = stride_b, .stride_c = m * n + 2});
+    for (int entry = 0; entry < 2; ++entry) {
+      TWELL_CUDA_CHECK(cudaMemcpy(got.data(), c_at + entry * (m * n + 2), got.size() * sizeof(float),
+                                  cudaMemcpyDeviceToHost));
+      const std::vector<float> b_entry(b.begin() + entry * n * k, b.begin() + (entry + 1) * n * k);
+      EXPECT_TRUE(matches_on_sampled_rows("C of batch entry " + std::to_string(entry), got, a, b_entry, nullptr, m, n, k));
+    }
+  }
 }
 
 }  // namespace

@@ -70,7 +70,7 @@ void activate_multiply(const bf16* gate, bf16* up, int64_t count, GateActivation
 struct DenseFfn::Impl {
   DenseFfnOptions options;
   RowMajorGemm gemm;
-  DeviceBuffer<bf16> hidden;  // [2, M, H]: g and u (then h) in the order of Wg and Wu in memory
+  DeviceBuffer<bf16> hidden;  // g and u (then h), [M, H] each, in the order of Wg and Wu in memory
 };
 
 DenseFfn::DenseFfn(DenseFfnOptions options) : impl_(std::make_unique<Impl>()) { impl_->options = options; }
@@ -89,7 +89,10 @@ void DenseFfn::run(const bf16* x, int64_t rows, const DeviceFfnView& weights, bf
                 "DenseFfn: a non-gated FFN takes relu only");
   const int64_t d = weights.d_model, h = weights.d_hidden;
   const int64_t hidden_count = rows * h;
-  impl_->hidden.resize(weights.gated ? 2 * hidden_count : hidden_count);
+  // The second half starts on a 256-byte boundary: activate_multiply reads bf16 pairs, and cuBLASLt's
+  // kernels run fastest on aligned matrices.
+  const int64_t second_half = (hidden_count + 127) / 128 * 128;
+  impl_->hidden.resize(weights.gated ? second_half + hidden_count : hidden_count);
   RowMajorGemm& gemm = impl_->gemm;
   const DenseFfnOptions& options = impl_->options;
   const bool fused = weights.gated && activation.kind == FfnActivation::relu && rows >= options.fuse_gate_from_rows &&
@@ -101,12 +104,12 @@ void DenseFfn::run(const bf16* x, int64_t rows, const DeviceFfnView& weights, bf
   const std::uintptr_t gap_bytes =
       weights.gated ? (up_first ? address(weights.gate) - address(weights.up) : address(weights.up) - address(weights.gate))
                     : 0;
-  bf16* const gate_out = impl_->hidden.data() + (up_first ? hidden_count : 0);
-  bf16* const up_out = impl_->hidden.data() + (weights.gated && !up_first ? hidden_count : 0);
+  bf16* const gate_out = impl_->hidden.data() + (up_first ? second_half : 0);
+  bf16* const up_out = impl_->hidden.data() + (weights.gated && !up_first ? second_half : 0);
   if (weights.gated && !fused && options.batch_gate_and_up && gap_bytes % 16 == 0) {
     gemm.run(rows, h, d, {x, d, false}, {up_first ? weights.up : weights.gate, d, true}, up_first ? up_out : gate_out,
              h, GemmOutput::bf16, 0.0f, stream, GemmEpilogue::none,
-             {.count = 2, .stride_a = 0, .stride_b = static_cast<int64_t>(gap_bytes / sizeof(bf16)), .stride_c = hidden_count});
+             {.count = 2, .stride_a = 0, .stride_b = static_cast<int64_t>(gap_bytes / sizeof(bf16)), .stride_c = second_half});
   } else {
     if (weights.gated)
       gemm.run(rows, h, d, {x, d, false}, {weights.gate, d, true}, gate_out, h, GemmOutput::bf16, 0.0f, stream);

@@ -1,8 +1,10 @@
 #include "cuda/gemm.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <mutex>
 #include <optional>
+#include <utility>
 
 #include "cuda/cublas_check.h"
 #include "twell/error.h"
@@ -63,6 +65,13 @@ void set_batch(cublasLtMatrixLayout_t layout, int32_t count, int64_t stride) {
       cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof stride));
 }
 
+// The largest power of two up to 256 that divides the address of every batch entry of a matrix.
+uint32_t alignment_bytes(const void* data, int64_t stride_elements, size_t element_bytes) {
+  const auto bits = reinterpret_cast<std::uintptr_t>(data) | static_cast<std::uintptr_t>(stride_elements) * element_bytes |
+                    std::uintptr_t{256};
+  return static_cast<uint32_t>(bits & (~bits + 1));
+}
+
 }  // namespace
 
 // cuBLASLt is column-major. A row-major C [m, n] is a column-major C^T [n, m], and
@@ -73,8 +82,13 @@ void RowMajorGemm::run(int64_t m, int64_t n, int64_t k, GemmOperand a, GemmOpera
                        const GemmBatch& batch) {
   TWELL_REQUIRE(m > 0 && n > 0 && k > 0, "GEMM sizes must be positive, got m={} n={} k={}", m, n, k);
   TWELL_REQUIRE(batch.count >= 1, "GEMM batch count must be >= 1, got {}", batch.count);
+  const size_t c_element_bytes = c_type == GemmOutput::bf16 ? 2 : 4;
+  const uint32_t align_a = alignment_bytes(a.data, batch.stride_a, sizeof(bf16));
+  const uint32_t align_b = alignment_bytes(b.data, batch.stride_b, sizeof(bf16));
+  const uint32_t align_c = alignment_bytes(c, batch.stride_c, c_element_bytes);
   const Key key{m, n, k, a.ld, b.ld, ldc, a.transposed, b.transposed, c_type, beta != 0.0f,
-                epilogue, batch.count, batch.stride_a, batch.stride_b, batch.stride_c};
+                epilogue, batch.count, batch.stride_a, batch.stride_b, batch.stride_c,
+                align_a | align_b << 9 | align_c << 18};
   auto found = plans_.find(key);
   if (found == plans_.end()) {
     auto plan = std::make_unique<Plan>();
@@ -106,6 +120,12 @@ void RowMajorGemm::run(int64_t m, int64_t n, int64_t k, GemmOperand a, GemmOpera
     const size_t workspace = workspace_.bytes();
     cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace,
                                          sizeof workspace);
+    // cuBLASLt's A is our B (see above), its B our A; C and D are both our C.
+    for (const auto& [attribute, bytes] : {std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_b},
+                                           std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_a},
+                                           std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_c},
+                                           std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_c}})
+      TWELL_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(preference, attribute, &bytes, sizeof bytes));
     cublasLtMatmulHeuristicResult_t results[kCandidates]{};
     int found_count = 0;
     const double flops = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k) * batch.count;
@@ -119,7 +139,7 @@ void RowMajorGemm::run(int64_t m, int64_t n, int64_t k, GemmOperand a, GemmOpera
     plan->algo = results[0].algo;
     if (found_count > 1) {
       const int64_t c_elements = int64_t{batch.count - 1} * batch.stride_c + (m - 1) * ldc + n;
-      const size_t c_bytes = static_cast<size_t>(c_elements) * (c_type == GemmOutput::bf16 ? 2 : 4);
+      const size_t c_bytes = static_cast<size_t>(c_elements) * c_element_bytes;
       // Shared by every instance of the process: two instances timing the same GEMM would otherwise
       // keep different algorithms by the timing's noise, and the dense baseline and a dispatch's
       // dense path (instances of their own) must run the same GEMMs.

@@ -68,8 +68,10 @@ class RowMajorGemm {
 
  private:
   struct Plan;
+  // The last member: the operands' alignments (bytes, up to 256) packed, since cuBLASLt's heuristic
+  // otherwise assumes 256-byte aligned matrices and may pick a kernel that faults on others.
   using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, bool, GemmOutput, bool,
-                         GemmEpilogue, int32_t, int64_t, int64_t, int64_t>;
+                         GemmEpilogue, int32_t, int64_t, int64_t, int64_t, uint32_t>;
   // The fastest of `results` for `plan` on these operands; none while `stream` is being captured or
   // where beta != 0 and no scratch C fits in memory.
   std::optional<cublasLtMatmulAlgo_t> fastest(const Plan& plan, const cublasLtMatmulHeuristicResult_t* results,
