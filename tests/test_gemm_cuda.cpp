@@ -90,6 +90,8 @@ TEST_F(TunedGemm, AddsToCOnceAndAgreesAcrossInstances) {
 TEST_F(TunedGemm, ComputesAtAnyAlignment) {
   const int64_t m = 37, n = 72, k = 40;
   const std::vector<float> a = random_values(m * k, 4, true), b = random_values(2 * n * k, 5, true);
+  const cuda::DeviceArray<bf16> a_packed = cuda::upload_bf16(a.data(), a.size());
+  const cuda::DeviceArray<bf16> b_packed = cuda::upload_bf16(b.data(), b.size());
   const cuda::DeviceArray<bf16> a_device = cuda::make_device_array<bf16>(m * k + 16);
   const cuda::DeviceArray<bf16> b_device = cuda::make_device_array<bf16>(2 * n * k + 32);
   cuda::DeviceArray<float> c = cuda::make_device_array<float>(2 * m * n + 8);
@@ -99,17 +101,11 @@ TEST_F(TunedGemm, ComputesAtAnyAlignment) {
     bf16* const a_at = a_device.get() + offset;
     bf16* const b_at = b_device.get() + offset;
     float* const c_at = c.get() + 1;
-    const auto bits_of = [](const std::vector<float>& values) {
-      std::vector<bf16> bits(values.size());
-      for (size_t i = 0; i < values.size(); ++i) bits[i] = to_bf16(values[i]);
-      return bits;
-    };
-    const std::vector<bf16> a_bits = bits_of(a), b_bits = bits_of(b);
-    TWELL_CUDA_CHECK(cudaMemcpy(a_at, a_bits.data(), a_bits.size() * sizeof(bf16), cudaMemcpyHostToDevice));
+    TWELL_CUDA_CHECK(cudaMemcpy(a_at, a_packed.get(), m * k * sizeof(bf16), cudaMemcpyDeviceToDevice));
     // The batch's second B lies n·k + 4 elements after the first.
     const int64_t stride_b = n * k + 4;
-    TWELL_CUDA_CHECK(cudaMemcpy(b_at, b_bits.data(), n * k * sizeof(bf16), cudaMemcpyHostToDevice));
-    TWELL_CUDA_CHECK(cudaMemcpy(b_at + stride_b, b_bits.data() + n * k, n * k * sizeof(bf16), cudaMemcpyHostToDevice));
+    TWELL_CUDA_CHECK(cudaMemcpy(b_at, b_packed.get(), n * k * sizeof(bf16), cudaMemcpyDeviceToDevice));
+    TWELL_CUDA_CHECK(cudaMemcpy(b_at + stride_b, b_packed.get() + n * k, n * k * sizeof(bf16), cudaMemcpyDeviceToDevice));
     TWELL_CUDA_CHECK(cudaMemset(c.get(), 0xff, (2 * m * n + 8) * sizeof(float)));
     gemm.run(m, n, k, {a_at, k, false}, {b_at, k, true}, c_at, n, cuda::GemmOutput::f32, 0.0f, nullptr);
     std::vector<float> got(m * n);

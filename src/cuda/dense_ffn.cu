@@ -97,18 +97,17 @@ void DenseFfn::run(const bf16* x, int64_t rows, const DeviceFfnView& weights, bf
   const DenseFfnOptions& options = impl_->options;
   const bool fused = weights.gated && activation.kind == FfnActivation::relu && rows >= options.fuse_gate_from_rows &&
                      relu_gated_up_supported(h, d);
-  // A batch's second matrix lies gap_bytes after its first: Wg and Wu in memory order, and their
-  // outputs in the same order in `hidden`, so that every stride is positive.
+  // Wg and Wu in memory order, their outputs in the same order in `hidden`: a batch of the two then
+  // has positive strides. Non-gated: u alone, at the start.
   const auto address = [](const bf16* p) { return reinterpret_cast<std::uintptr_t>(p); };
-  const bool up_first = weights.gated && address(weights.up) < address(weights.gate);
-  const std::uintptr_t gap_bytes =
-      weights.gated ? (up_first ? address(weights.gate) - address(weights.up) : address(weights.up) - address(weights.gate))
-                    : 0;
+  const bool up_first = !weights.gated || address(weights.up) < address(weights.gate);
+  const bf16* const first_weights = up_first ? weights.up : weights.gate;
+  const std::uintptr_t gap_bytes = address(up_first ? weights.gate : weights.up) - address(first_weights);
   bf16* const gate_out = impl_->hidden.data() + (up_first ? second_half : 0);
-  bf16* const up_out = impl_->hidden.data() + (weights.gated && !up_first ? second_half : 0);
+  bf16* const up_out = impl_->hidden.data() + (up_first ? 0 : second_half);
   if (weights.gated && !fused && options.batch_gate_and_up && gap_bytes % 16 == 0) {
-    gemm.run(rows, h, d, {x, d, false}, {up_first ? weights.up : weights.gate, d, true}, up_first ? up_out : gate_out,
-             h, GemmOutput::bf16, 0.0f, stream, GemmEpilogue::none,
+    gemm.run(rows, h, d, {x, d, false}, {first_weights, d, true}, impl_->hidden.data(), h, GemmOutput::bf16, 0.0f,
+             stream, GemmEpilogue::none,
              {.count = 2, .stride_a = 0, .stride_b = static_cast<int64_t>(gap_bytes / sizeof(bf16)), .stride_c = second_half});
   } else {
     if (weights.gated)
