@@ -19,8 +19,10 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <string>
 #include <utility>
 #include <memory>
+#include <set>
 #include <vector>
 
 #include <cuda_runtime.h>
@@ -252,6 +254,10 @@ class SparseFfn {
   // TwELL run to see the density again) rather than the chosen path: a benchmark of the steady
   // state warms up until such calls stop.
   bool last_call_measured() const { return last_call_measured_; }
+  // What the dispatch chose the last call's path from: its median ms per path in that call's
+  // (M, density) bucket, named "twell", "dense" or "hot_F" (the split whose hot fraction of H is F);
+  // paths not measured yet or not available are left out.
+  std::vector<std::pair<std::string, float>> last_bucket_times() const;
   const DeviceTwell& packed() const { return packed_; }
   int64_t scratch_bytes() const;
 
@@ -262,7 +268,14 @@ class SparseFfn {
   // Neurons a path runs densely ahead of TwELL (0 for TwELL and dense).
   int32_t hot_neurons(int path, int32_t hidden) const;
   bool path_available(int path, int32_t hidden) const;
+  static constexpr int kTimedRuns = 5;  // per path and measurement, after one untimed run
+  // The two fastest paths are timed again in alternation when within this ratio of each other.
+  static constexpr float kCloseRatio = 1.1f;
+  float time_once(int path, const bf16* x, int64_t rows, const DeviceFfnView& weights, bf16* y, cudaStream_t stream);
   float timed_run(int path, const bf16* x, int64_t rows, const DeviceFfnView& weights, bf16* y, cudaStream_t stream);
+  // Times both paths kTimedRuns times, taking turns, and stores their medians in `timing`.
+  void time_in_turns(const int (&paths)[2], const bf16* x, int64_t rows, const DeviceFfnView& weights, bf16* y,
+                     cudaStream_t stream, std::vector<float>& timing);
   void run_path(int path, const bf16* x, int64_t rows, const DeviceFfnView& weights, bf16* y, cudaStream_t stream);
 
   // One TwELL call's counters, copied from the device at its end.
@@ -279,6 +292,7 @@ class SparseFfn {
   DeviceTwell packed_;
   DenseFfn dense_{DenseFfn::twell_options()};  // the dense path and a split's dense part
   std::map<int64_t, std::vector<float>> timings_;  // per bucket: median ms per path, < 0 unmeasured
+  std::set<int64_t> compared_buckets_;  // buckets whose two fastest paths were timed in alternation
   // The densities seen, per M bucket and weights: a call is keyed by its own M's. One density for
   // all M let a batch-1 decode step's single row (noisy, often a bucket off) key the next prefill
   // into a bucket whose TwELL time never arrives (it goes to the bucket of the density the timed run

@@ -10,7 +10,8 @@
 //               and the rest through TwELL, the fastest per call; on weights sorted by activity on calibration rows apart from the
 //               timed ones (extra: hot_neurons of the path taken)
 //   twell_auto  cuda::SparseFfn: TwELL, a split, or dense per call (its rule in include/twell/cuda.h),
-//               on the sorted weights (extra: hot_neurons, dense)
+//               on the sorted weights (extra: hot_neurons, dense; both dispatching ones also
+//               dispatch_ms, the times per path their dispatch chose from)
 // The two dispatching ones first run untimed until their dispatch has timed its paths (extra
 // settle_calls; measured_calls: how many warm-up and timed calls were still its measurements).
 // Each run is timed with CUDA events around the call on the default stream, after cuda::L2Evictor has
@@ -152,11 +153,15 @@ class CudaTwell : public CudaImpl {
   // it is given, so each of its calls follows an untimed packing of the same input. The others: the
   // path the last call took.
   nlohmann::json extra_measurements(int reps) override {
-    if (kind_ != Kind::twell)
+    if (kind_ != Kind::twell) {
+      nlohmann::json dispatch_ms = nlohmann::json::object();
+      for (const auto& [path, ms] : ffn_.last_bucket_times()) dispatch_ms[path] = ms;
       return {{"hot_neurons", ffn_.last_hot_neurons()},
               {"dense", ffn_.last_call_was_dense()},
               {"split_side_stream", split_side_stream_},
-              {"measured_calls", measured_calls_}};
+              {"measured_calls", measured_calls_},
+              {"dispatch_ms", dispatch_ms}};
+    }
     cuda::DeviceTwell packed;
     const int32_t tile = ffn_.packed().shape.tile, compression = ffn_.packed().shape.compression;
     cuda::gate_to_twell_complete(inputs_[0].get(), rows_, weights_, tile, compression, packed);
