@@ -202,7 +202,10 @@ class DenseFfn {
 // synchronization each; the median, not the fastest, because one lucky TwELL run flipped M = 16 to a
 // path 14% slower); a TwELL time counts for the bucket of the density that call measured. Later
 // calls in the bucket take the faster, so a call is never slower than dense by more than the timing
-// noise of those runs.
+// noise of those runs. Once every path of a bucket is timed, the two fastest, if within kCloseRatio
+// (10%) of each other, are timed once more in one call, taking turns, and those medians decide: timed
+// in calls of their own, one after the other, close paths swapped places with the GPU's clock drift
+// (dense chosen over a 5% faster split at D = 4096).
 // The packer's counters come back asynchronously through a ring of kCounterSlots pinned slots: a call
 // reads the newest slot whose copy has finished, without waiting; only when the GPU is a whole ring
 // behind does a call wait for the oldest, so the density a call is keyed by is at most kCounterSlots
