@@ -4,12 +4,14 @@
 // a skewed (hot-neuron) workload, and bit-identical results across calls; and the dispatch of
 // SparseFfn (sparse_ffn.cu) when the workload changes between calls, and its split paths (y added to,
 // views of neuron ranges). Skipped without a GPU.
+#include <limits>
 #include <set>
 #include <vector>
 
 #include <gtest/gtest.h>
 
 #include "cuda/ffn_density_book.h"
+#include "cuda/timed_choice.h"
 #include "cuda_test_support.h"
 #include "twell/bench_record.h"
 #include "twell/cpu.h"
@@ -365,6 +367,28 @@ TEST(FfnDensityBook, DensitiesPerRowCountAndSplitsPerLayer) {
   EXPECT_FALSE(book.take_recheck(4096, &layer_c));
 
   EXPECT_THROW(cuda::FfnDensityBook(0), Error);
+}
+
+// What SparseFfn times again side by side once every path of a bucket has its time (no GPU):
+// unmeasured (negative) and unavailable (infinite) paths are no candidates; the runner-up counts only
+// within the ratio, inclusive.
+TEST(FastestTwo, RunnerUpOnlyWithinTheRatio) {
+  const float unavailable = std::numeric_limits<float>::infinity();
+  cuda::FastestTwo two = cuda::fastest_two({-1.0f, 2.0f, unavailable, 1.9f, 2.5f}, 1.1f);
+  EXPECT_EQ(two.best, 3);
+  EXPECT_EQ(two.close_second, 1);
+  two = cuda::fastest_two({1.0f, 1.25f}, 1.1f);
+  EXPECT_EQ(two.best, 0);
+  EXPECT_EQ(two.close_second, -1);
+  two = cuda::fastest_two({1.1f, 1.0f}, 1.1f);
+  EXPECT_EQ(two.best, 1);
+  EXPECT_EQ(two.close_second, 0);
+  two = cuda::fastest_two({unavailable, 3.0f}, 1.1f);
+  EXPECT_EQ(two.best, 1);
+  EXPECT_EQ(two.close_second, -1);
+  two = cuda::fastest_two({-1.0f, unavailable}, 1.1f);
+  EXPECT_EQ(two.best, -1);
+  EXPECT_EQ(two.close_second, -1);
 }
 
 // The bench's grid runs one SparseFfn over new weights at each density. Weights 10x denser than

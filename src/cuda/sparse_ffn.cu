@@ -204,25 +204,17 @@ void SparseFfn::run(const bf16* x, int64_t rows, const DeviceFfnView& weights, b
     finish(path, /*measured=*/true);
     return;
   }
-  const auto fastest = [&](int skip) {
-    int found = -1;
-    for (int path = 0; path < path_count(); ++path)
-      if (path != skip && std::isfinite(timing[path]) && (found < 0 || timing[path] < timing[found])) found = path;
-    return found;
-  };
-  const int best = fastest(-1);
+  const FastestTwo two = fastest_two(timing, kCloseRatio);
   // Each path was timed in a call of its own, one after the other: the GPU's clocks and temperature
   // drift between them by as much as close paths differ (H100: the split 5-6% faster than dense at
   // D = 4096, M = 16384, 2%, yet dense chosen; docs/perf-notes.md). The two fastest, if close, are
   // timed once more in alternation, and that decides.
-  if (compared_buckets_.insert(current_bucket_).second) {
-    const int second = fastest(best);
-    if (second >= 0 && timing[second] <= kCloseRatio * timing[best]) {
-      time_in_turns({best, second}, x, rows, weights, y, stream, timing);
-      finish(timing[second] < timing[best] ? second : best, /*measured=*/true);
-      return;
-    }
+  if (two.close_second >= 0 && compared_buckets_.insert(current_bucket_).second) {
+    time_in_turns({two.best, two.close_second}, x, rows, weights, y, stream, timing);
+    finish(timing[two.close_second] < timing[two.best] ? two.close_second : two.best, /*measured=*/true);
+    return;
   }
+  const int best = two.best;
   run_path(best, x, rows, weights, y, stream);
   finish(best);
 }

@@ -31,6 +31,26 @@ inline int64_t call_bucket(int64_t rows, double nnz_per_row) {
   return row_bucket(rows) * 64 + density_bucket(nnz_per_row) + 1;
 }
 
+// The fastest of per-path times (ms; negative or non-finite: not a candidate) and the second
+// fastest when it lies within `close_ratio` of the first, the pair a dispatch times again side by
+// side (-1 where there is none).
+struct FastestTwo {
+  int best = -1, close_second = -1;
+};
+inline FastestTwo fastest_two(const std::vector<float>& ms, float close_ratio) {
+  const auto fastest = [&](int skip) {
+    int found = -1;
+    for (int i = 0; i < static_cast<int>(ms.size()); ++i)
+      if (i != skip && ms[i] >= 0 && std::isfinite(ms[i]) && (found < 0 || ms[i] < ms[found])) found = i;
+    return found;
+  };
+  FastestTwo two;
+  two.best = fastest(-1);
+  const int second = two.best < 0 ? -1 : fastest(two.best);
+  if (second >= 0 && ms[second] <= close_ratio * ms[two.best]) two.close_second = second;
+  return two;
+}
+
 // Both ops' split candidates: f·H hot neurons rounded to whole TwELL tiles of `tile` columns, so the
 // sparse part's packing starts on a tile boundary (and the hot part's GEMMs get whole multiples of
 // 64); 0 where that leaves no neuron on either side. On the H200 the 768 this gives for 1/8 of
