@@ -37,7 +37,7 @@ if step sanitize; then
     for tool in memcheck racecheck; do
       [[ $tool == racecheck && $tests != */twell_tests ]] && continue
       (cd build/tests && timeout 240 "$sanitizer" --tool "$tool" --error-exitcode 3 "$tests" --gtest_brief=1 \
-        --gtest_filter='CudaFfn.DecodeLayerCallsInARow*:*DecodeTest.Accumulate*cuda*:*DecodeTest.AllGates*cuda*:*DecodeGemv*:*DecodeAttention*:CudaModelTest.GraphDecode*' > "/tmp/$tool.log" 2>&1)
+        --gtest_filter='CudaFfn.DecodeLayerCallsInARow*:*DecodeTest.Accumulate*cuda*:*DecodeTest.AllGates*cuda*:*DecodeGemv*:*DecodeAttention*:CudaModelTest.GraphDecode*:CudaModelTest.L2Prefetch*' > "/tmp/$tool.log" 2>&1)
       rc=$?
       [[ $rc == 0 ]] || status=1
       echo "$(basename "$tests") $tool: exit $rc; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "/tmp/$tool.log" |
@@ -70,14 +70,21 @@ if step bench; then
     2>&1 | tail -n 28 | tee -a "$log" || status=1
 fi
 if step model; then
+  # MODEL_VARIANTS: comma-separated extra flags of `bench model`, one run each ("none": no flag), e.g.
+  # MODEL_VARIANTS=none,--l2-prefetch to time the prefetch beside the default in one call.
+  IFS=, read -r -a variants <<< "${MODEL_VARIANTS:-none}"
   for twell in "$bin"/twell "$bin"/twell_*; do
     [[ -x $twell && $twell != *twell_tests* ]] || continue
     name=$(basename "$twell")
-    echo "== $name bench model (batch-1 decode of the synthetic 2B)" | tee -a "$log"
-    # Building the synthetic 2B takes most of a minute on the GPU machine's CPU.
-    timeout 150 "$twell" bench model --synthetic 2b --device cuda --batch 1 --prompt-tokens 128 --decode-context 128 \
-      --decode-tokens 256 --reps 3 --ffn dense,predict --json "$out/model_decode_$name.json" 2>&1 | tail -n 6 |
-      tee -a "$log" || status=1
+    for variant in "${variants[@]}"; do
+      flags=(); [[ $variant != none ]] && flags=("$variant")
+      tag=${variant#--}
+      echo "== $name bench model (batch-1 decode of the synthetic 2B) $variant" | tee -a "$log"
+      # Building the synthetic 2B takes most of a minute on the GPU machine's CPU.
+      timeout 150 "$twell" bench model --synthetic 2b --device cuda --batch 1 --prompt-tokens 128 --decode-context 128 \
+        --decode-tokens 256 --reps 3 --ffn dense,predict "${flags[@]}" --json "$out/model_decode_${name}_$tag.json" 2>&1 |
+        tail -n 6 | tee -a "$log" || status=1
+    done
   done
 fi
 if step ncu; then
