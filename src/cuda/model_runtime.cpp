@@ -265,10 +265,10 @@ struct CudaModel::Impl {
       mark(kOProjNormStage);
       // The FFN's output joins the stream in the next layer's attention RMSNorm (one pass over the
       // fp32 stream fewer), except where that norm is the QKV GEMV's own or there is no next layer.
-      const bool next_qkv = prefetch && index + 1 < c.n_layers;
-      ffn_out_pending =
-          ffn(index, n,
-              next_qkv ? L2Prefetch{layers[index + 1].wqkv.get(), qkv_width() * d * int64_t{sizeof(bf16)}} : L2Prefetch{});
+      const int64_t qkv_bytes = qkv_width() * d * int64_t{sizeof(bf16)};
+      const L2Prefetch next_qkv =
+          prefetch && index + 1 < c.n_layers ? L2Prefetch{layers[index + 1].wqkv.get(), qkv_bytes} : L2Prefetch{};
+      ffn_out_pending = ffn(index, n, next_qkv);
       if (ffn_out_pending && (gemv || index + 1 == c.n_layers)) {
         mk::add_residual(hidden.data(), ffn_out.data(), rows * d, stream);
         ffn_out_pending = false;
