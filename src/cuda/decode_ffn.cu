@@ -909,10 +909,7 @@ void DecodeLayer::run(const bf16* x, int64_t rows, const PredictorConfig& predic
   TWELL_REQUIRE(rows >= 1 && rows <= kDecodeMaxRows, "rows (M) must lie in [1, {}], got {}", kDecodeMaxRows, rows);
   TWELL_REQUIRE(reinterpret_cast<uintptr_t>(y) % 16 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0,
                 "decode on CUDA: x and y must be 16-byte aligned");
-  TWELL_REQUIRE(prefetch.bytes >= 0 && reinterpret_cast<uintptr_t>(prefetch.base) % 16 == 0,
-                "decode on CUDA: an L2 prefetch needs a 16-byte aligned base and bytes >= 0, got {} bytes at offset {} of "
-                "16",
-                prefetch.bytes, reinterpret_cast<uintptr_t>(prefetch.base) % 16);
+  check_l2_prefetch(prefetch, "decode on CUDA");
   const bool two_bit = predictor.kind == PredictorKind::two_bit_gate;
   DecodeParams p{};
   p.x = x;

@@ -547,10 +547,7 @@ void decode_attention_rope(const bf16* qkv, const float* bias, const AttentionSh
                 "decode_attention_rope: cache_stride must be positive (the new position is stored in the cache), got {}",
                 shape.cache_stride);
   TWELL_REQUIRE(rope_theta > 0, "decode_attention_rope: rope_theta must be positive, got {}", rope_theta);
-  TWELL_REQUIRE(prefetch.bytes >= 0 && reinterpret_cast<uintptr_t>(prefetch.base) % 16 == 0,
-                "decode_attention_rope: an L2 prefetch needs a 16-byte aligned base and bytes >= 0, got {} bytes at "
-                "offset {} of 16",
-                prefetch.bytes, reinterpret_cast<uintptr_t>(prefetch.base) % 16);
+  check_l2_prefetch(prefetch, "decode_attention_rope");
   const size_t needed = decode_attention_workspace_bytes(shape);
   TWELL_REQUIRE(workspace_bytes >= needed, "decode_attention_rope: workspace of {} bytes, {} needed", workspace_bytes,
                 needed);

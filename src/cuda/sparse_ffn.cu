@@ -135,14 +135,21 @@ float SparseFfn::time_once(int path, const bf16* x, int64_t rows, const DeviceFf
   return ms;
 }
 
+namespace {
+template <size_t N>
+float median(float (&ms)[N]) {  // reorders ms
+  std::nth_element(ms, ms + N / 2, ms + N);
+  return ms[N / 2];
+}
+}  // namespace
+
 float SparseFfn::timed_run(int path, const bf16* x, int64_t rows, const DeviceFfnView& weights, bf16* y,
                            cudaStream_t stream) {
   // The untimed first run takes the one-time costs (plans, allocations, kernel attributes) out.
   run_path(path, x, rows, weights, y, stream);
   float ms[kTimedRuns];
   for (float& run_ms : ms) run_ms = time_once(path, x, rows, weights, y, stream);
-  std::nth_element(ms, ms + kTimedRuns / 2, ms + kTimedRuns);
-  return ms[kTimedRuns / 2];
+  return median(ms);
 }
 
 void SparseFfn::time_in_turns(const int (&paths)[2], const bf16* x, int64_t rows, const DeviceFfnView& weights,
@@ -153,10 +160,7 @@ void SparseFfn::time_in_turns(const int (&paths)[2], const bf16* x, int64_t rows
       const int side = (run + turn) % 2;  // each path goes first in every other round
       ms[side][run] = time_once(paths[side], x, rows, weights, y, stream);
     }
-  for (int side = 0; side < 2; ++side) {
-    std::nth_element(ms[side], ms[side] + kTimedRuns / 2, ms[side] + kTimedRuns);
-    timing[static_cast<size_t>(paths[side])] = ms[side][kTimedRuns / 2];
-  }
+  for (int side = 0; side < 2; ++side) timing[static_cast<size_t>(paths[side])] = median(ms[side]);
 }
 
 void SparseFfn::run(const bf16* x, int64_t rows, const DeviceFfnView& weights, bf16* y, cudaStream_t stream) {
