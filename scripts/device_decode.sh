@@ -37,7 +37,7 @@ if step sanitize; then
     for tool in memcheck racecheck; do
       [[ $tool == racecheck && $tests != */twell_tests ]] && continue
       (cd build/tests && timeout 240 "$sanitizer" --tool "$tool" --error-exitcode 3 "$tests" --gtest_brief=1 \
-        --gtest_filter='CudaFfn.DecodeLayerCallsInARow*:*DecodeTest.Accumulate*cuda*:*DecodeTest.AllGates*cuda*:*DecodeGemv*:*DecodeAttention*:CudaModelTest.GraphDecode*:CudaModelTest.L2Prefetch*' > "/tmp/$tool.log" 2>&1)
+        --gtest_filter='CudaFfn.DecodeLayerCallsInARow*:*DecodeTest.Accumulate*cuda*:*DecodeTest.AllGates*cuda*:*DecodeGemv*:*DecodeAttention*:CudaModelTest.GraphDecode*' > "/tmp/$tool.log" 2>&1)
       rc=$?
       [[ $rc == 0 ]] || status=1
       echo "$(basename "$tests") $tool: exit $rc; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "/tmp/$tool.log" |
@@ -71,7 +71,7 @@ if step bench; then
 fi
 if step model; then
   # MODEL_VARIANTS: comma-separated extra flags of `bench model`, one run each ("none": no flag), e.g.
-  # MODEL_VARIANTS=none,--l2-prefetch to time the prefetch beside the default in one call.
+  # MODEL_VARIANTS=none,--no-graphs to time a variant beside the default in one call.
   IFS=, read -r -a variants <<< "${MODEL_VARIANTS:-none}"
   for twell in "$bin"/twell "$bin"/twell_*; do
     [[ -x $twell && $twell != *twell_tests* ]] || continue

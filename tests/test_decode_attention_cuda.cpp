@@ -280,11 +280,6 @@ TEST(DecodeAttentionRopeRefusals, NameTheProblem) {
   expect_refused([&] { call({0, 1, 2, 2, 64, 8}); }, "batch");
   expect_refused([&] { call({1, 1, 2, 2, 64, 0}); }, "cache_stride");
   expect_refused([&] { call({1, 1, 2, 2, 64, 8}, 0.0f); }, "rope_theta");
-  for (const cuda::L2Prefetch prefetch : {cuda::L2Prefetch{reinterpret_cast<const void*>(uintptr_t{4096 + 8}), 64},
-                                          cuda::L2Prefetch{nullptr, -16}})
-    expect_refused([&] { mk::decode_attention_rope(nullptr, nullptr, {1, 1, 2, 2, 64, 8}, nullptr, 1e4f, nullptr,
-                                                   nullptr, 1.0f, nullptr, nullptr, 1 << 20, nullptr, prefetch); },
-                   "L2 prefetch");
   // qkv_rope (prefill) rotates 8-byte pieces: a Dh the decode kernel refuses too, and one it would not.
   for (const int32_t head_dim : {12, 4})
     expect_refused([&] { mk::qkv_rope(nullptr, nullptr, {1, 2, 2, 2, head_dim, 8}, nullptr, 1e4f, nullptr, nullptr,

@@ -175,38 +175,6 @@ TEST_F(CudaModelTest, GraphDecodeMatchesEagerDecode) {
   }
 }
 
-// CudaModelOptions::l2_prefetch only asks the L2 for weights: batch-1 greedy decoding (one row, the
-// GEMV step, where the attention and the decode FFN issue the prefetches) gives the same tokens with
-// and without it, on the dense and the predict path, graphs on.
-TEST_F(CudaModelTest, L2PrefetchChangesNoToken) {
-  const ModelConfig config = synthetic_model_config("tiny");
-  const Model host(config, make_synthetic_weights(config, 0.05, 4));
-  const std::vector<int32_t> prompt = {9, 31, 250, 4, 77, 13};
-  const auto n = static_cast<int32_t>(prompt.size());
-  constexpr int32_t kSteps = 24;
-  for (FfnPath path : {FfnPath::dense, FfnPath::predict}) {
-    SCOPED_TRACE(to_string(path));
-    std::vector<std::vector<int32_t>> tokens;
-    std::vector<std::vector<float>> last_logits;
-    for (bool prefetch : {false, true}) {
-      cuda::CudaModel gpu(host, {.l2_prefetch = prefetch});
-      gpu.set_ffn_path(path);
-      gpu.reset(1, n + kSteps + 1);
-      std::vector<float> logits(static_cast<size_t>(config.vocab_size), std::nanf(""));
-      gpu.forward(prompt.data(), n, logits.data());
-      tokens.emplace_back(kSteps, -1);
-      gpu.decode_greedy(kSteps, tokens.back().data());
-      EXPECT_GT(gpu.graph_replays(), 0);
-      const int32_t next = tokens.back().back();
-      gpu.forward(&next, 1, logits.data());
-      last_logits.push_back(logits);
-    }
-    EXPECT_EQ(tokens[0], tokens[1]);
-    if (path == FfnPath::dense) EXPECT_EQ(last_logits[0], last_logits[1]);
-    else EXPECT_LT(relative_l2(last_logits[1].data(), last_logits[0]), 1e-5);
-  }
-}
-
 // The CUDA runtime and the CPU runtime agree on a synthetic model: a prompt, then a continuation
 // longer than one 64-token tile of the fused attention over the cached prompt, at head_dim 32 (the
 // fused prefill attention) and 8 (the GEMM path).

@@ -75,15 +75,6 @@ TimingStats time_graph(const std::function<void(int, cudaStream_t)>& run, int ca
 DeviceArray<bf16> upload_bf16(const float* host, size_t count, cudaStream_t stream = nullptr);
 std::vector<float> download_bf16(const bf16* device, size_t count, cudaStream_t stream = nullptr);
 
-// Bytes a kernel asks the L2 to fetch from DRAM while it runs, for a kernel after it: the
-// latency-bound kernels of a batch-1 decode step (attention, the decode FFN) leave DRAM mostly idle,
-// and the projection after them could then stream its weights from the L2. No effect on results.
-// Empty (the default): nothing.
-struct L2Prefetch {
-  const void* base = nullptr;  // 16-byte aligned
-  int64_t bytes = 0;
-};
-
 // ---- FFN weights on the device ----------------------------------------------------------------
 // What the batched FFN ops read: FFN weights on the device, not owned. The FFN is a sum over its
 // neurons, so any range of them (the same rows of all three matrices) is an FFN of its own whose

@@ -38,11 +38,9 @@ class DecodeLayer {
 
   // y [M, D] fp32 (device) from x [M, D] bf16 (device), 1 <= M <= kDecodeMaxRows, every predictor
   // kind; x and y 16-byte aligned. Asynchronous. The runs of one layer share its call counter (which
-  // block zeroes y, and when): order them on one stream (or chain their streams). `prefetch`: bytes
-  // the kernel that reads x asks the L2 for once x is in, for whatever runs next (the model: the next
-  // layer's QKV weights).
+  // block zeroes y, and when): order them on one stream (or chain their streams).
   void run(const bf16* x, int64_t rows, const PredictorConfig& predictor, float* y, cudaStream_t stream,
-           const DecodeOptions& options = {}, const L2Prefetch& prefetch = {}) const;
+           const DecodeOptions& options = {}) const;
   // Counters summed over every run since the last stats() call (then reset). Synchronizes `stream`.
   // missed is -1 unless every one of those runs counted it.
   DecodeStats stats(cudaStream_t stream) const;

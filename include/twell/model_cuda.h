@@ -30,11 +30,6 @@ struct CudaModelOptions {
   // twell path: SparseFfn may run dense (or, on ordered neurons, a split) where that is faster;
   // false: always plain TwELL.
   bool ffn_dispatch = true;
-  // Batch-1 decode steps: the attention kernel asks the L2 for the layer's O weights and the decode
-  // FFN (predict path) for the next layer's QKV weights, so those GEMVs could read from the L2
-  // rather than DRAM. Off until measured (docs/perf-notes.md, model runtime: built in the
-  // twenty-fourth session, not yet run on a GPU).
-  bool l2_prefetch = false;
 };
 
 class CudaModel {

@@ -8,7 +8,6 @@
 
 #include <cuda_runtime.h>
 
-#include "twell/cuda.h"
 #include "twell/error.h"
 
 #define TWELL_CUDA_CHECK(expression)                                                                  \
@@ -114,14 +113,6 @@ class SideStream {
   cudaStream_t stream_ = nullptr;
   cudaEvent_t main_mark_ = nullptr, side_mark_ = nullptr;
 };
-
-// What cp.async.bulk.prefetch takes: a 16-byte aligned base, and no negative size; `op` names the caller.
-inline void check_l2_prefetch(const L2Prefetch& prefetch, const char* op) {
-  const auto offset = reinterpret_cast<std::uintptr_t>(prefetch.base) % 16;
-  TWELL_REQUIRE(prefetch.bytes >= 0 && offset == 0,
-                "{}: an L2 prefetch needs a 16-byte aligned base and bytes >= 0, got {} bytes at offset {} of 16", op,
-                prefetch.bytes, offset);
-}
 
 // Launches `kernel` as a programmatic dependent launch (PDL): it may start while the stream's previous
 // kernel is still ending. The kernel must call wait_for_previous_grid() (cuda/warp_math.cuh) before it

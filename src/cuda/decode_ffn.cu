@@ -127,7 +127,6 @@ struct DecodeParams {
   bool count_missed;
   bool accumulate;  // y += (nobody zeroes y, nobody waits)
   const float* gates;  // [M, H]: every exact gate, for given_gates_kernel
-  L2Prefetch prefetch;  // asked of the L2 once x is in (each block its share)
 };
 
 // plane [H, words] -> [tiles, words, 8 groups, 2]: for lane (group g, quad q) of step 1's mma, word
@@ -503,7 +502,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) decode_ffn_kernel(D
   __syncthreads();
   // Every block has its ticket, so the next call's blocks (a programmatic launch) may start taking theirs.
   allow_dependent_grids();
-  if (threadIdx.x == 0) prefetch_l2_share(p.prefetch.base, p.prefetch.bytes, blockIdx.x, gridDim.x);
 
   if (zeroes_y) {  // the first block of the call; its release below follows the next barrier
     float4* y = reinterpret_cast<float4*>(p.y);
@@ -685,7 +683,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) given_gates_kernel(
   if (threadIdx.x == 0) pair_count = 0u;
   wait_for_previous_grid();
   allow_dependent_grids();  // the next kernel reads only its own constants before it waits
-  if (threadIdx.x == 0) prefetch_l2_share(p.prefetch.base, p.prefetch.bytes, blockIdx.x, gridDim.x);
   __syncthreads();
 
   const int own_neuron = threadIdx.x % kTileNeurons, own_token = threadIdx.x / kTileNeurons;
@@ -903,13 +900,12 @@ DecodeLayer::DecodeLayer(const DeviceFfnWeights& weights, const SignBits& signs)
 DecodeLayer::~DecodeLayer() = default;
 
 void DecodeLayer::run(const bf16* x, int64_t rows, const PredictorConfig& predictor, float* y, cudaStream_t stream,
-                      const DecodeOptions& options, const L2Prefetch& prefetch) const {
+                      const DecodeOptions& options) const {
   const DeviceFfnWeights& w = *impl_->weights;
   Impl& s = *impl_;
   TWELL_REQUIRE(rows >= 1 && rows <= kDecodeMaxRows, "rows (M) must lie in [1, {}], got {}", kDecodeMaxRows, rows);
   TWELL_REQUIRE(reinterpret_cast<uintptr_t>(y) % 16 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0,
                 "decode on CUDA: x and y must be 16-byte aligned");
-  check_l2_prefetch(prefetch, "decode on CUDA");
   const bool two_bit = predictor.kind == PredictorKind::two_bit_gate;
   DecodeParams p{};
   p.x = x;
@@ -939,7 +935,6 @@ void DecodeLayer::run(const bf16* x, int64_t rows, const PredictorConfig& predic
   p.min_score = static_cast<float>(-predictor.margin);
   p.count_missed = options.count_missed;
   p.accumulate = options.accumulate;
-  p.prefetch = prefetch;
   impl_->all_counted_missed = impl_->all_counted_missed && options.count_missed;
 
   if (computes_all_gates(options, predictor, rows, kCudaAllGates)) {

@@ -250,7 +250,7 @@ __global__ void heads_to_tokens_kernel(const bf16* in, AttentionShape s, int64_t
 __global__ void __launch_bounds__(kDecodeThreads)
     decode_attention_rope_kernel(const bf16* qkv, const float* bias, AttentionShape s, const int32_t* length,
                                  float rope_theta, bf16* k_cache, bf16* v_cache, float scale, float* split_results,
-                                 uint32_t* arrivals, bf16* out, L2Prefetch prefetch) {
+                                 uint32_t* arrivals, bf16* out) {
   __shared__ float scratch[32];
   __shared__ float group_sums[kDecodeThreads * 8];   // [rows_per_pass, Dh] P·V of each lane group
   __shared__ float split_weights[kDecodeMaxSplits];  // exp(split max - max over the splits)
@@ -265,8 +265,6 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const int32_t b = head / s.n_heads, h = head % s.n_heads;
   const int32_t group = s.n_heads / s.n_kv_heads, kv_head = h / group;
   wait_for_previous_grid();
-  if (threadIdx.x == 0)  // every block, the splits past the cache's length too
-    prefetch_l2_share(prefetch.base, prefetch.bytes, blockIdx.y * gridDim.x + blockIdx.x, gridDim.x * gridDim.y);
   const int32_t position = *length;  // the new token's
   const int32_t visible = position + 1;
   const int32_t chunk = decode_split_positions(visible, splits, rows_per_pass);
@@ -534,7 +532,7 @@ size_t decode_attention_workspace_bytes(const AttentionShape& shape) {
 
 void decode_attention_rope(const bf16* qkv, const float* bias, const AttentionShape& shape, const int32_t* length,
                            float rope_theta, bf16* k_cache, bf16* v_cache, float scale, bf16* out, void* workspace,
-                           size_t workspace_bytes, cudaStream_t stream, const L2Prefetch& prefetch) {
+                           size_t workspace_bytes, cudaStream_t stream) {
   TWELL_REQUIRE(decode_attention_supports(shape.head_dim),
                 "decode_attention_rope: head_dim must be 8·2^i up to 256, got {}", shape.head_dim);
   TWELL_REQUIRE(shape.tokens == 1, "decode_attention_rope: one token per sequence, got {}", shape.tokens);
@@ -547,7 +545,6 @@ void decode_attention_rope(const bf16* qkv, const float* bias, const AttentionSh
                 "decode_attention_rope: cache_stride must be positive (the new position is stored in the cache), got {}",
                 shape.cache_stride);
   TWELL_REQUIRE(rope_theta > 0, "decode_attention_rope: rope_theta must be positive, got {}", rope_theta);
-  check_l2_prefetch(prefetch, "decode_attention_rope");
   const size_t needed = decode_attention_workspace_bytes(shape);
   TWELL_REQUIRE(workspace_bytes >= needed, "decode_attention_rope: workspace of {} bytes, {} needed", workspace_bytes,
                 needed);
@@ -558,7 +555,7 @@ void decode_attention_rope(const bf16* qkv, const float* bias, const AttentionSh
       reinterpret_cast<uint32_t*>(split_results + size_t{heads} * splits * (shape.head_dim + 2));
   launch_programmatic(decode_attention_rope_kernel, dim3(heads, static_cast<unsigned>(splits)), dim3(kDecodeThreads), 0,
                       stream, qkv, bias, shape, length, rope_theta, k_cache, v_cache, scale, split_results, arrivals,
-                      out, prefetch);
+                      out);
 }
 
 void add_residual(float* hidden, const bf16* y, int64_t count, cudaStream_t stream) {

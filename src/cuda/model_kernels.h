@@ -11,7 +11,6 @@
 #include <cuda_runtime.h>
 
 #include "twell/bf16.h"
-#include "twell/cuda.h"
 
 namespace twell::cuda::model_kernels {
 
@@ -57,11 +56,10 @@ void heads_to_tokens(const bf16* in, const AttentionShape& shape, bf16* out, cud
 // only. Dh must pass decode_attention_supports, H_q be a multiple of H_kv. `workspace` holds at
 // least decode_attention_workspace_bytes(shape) bytes, zeroed once when allocated: it holds the
 // per-split results and per-head arrival counters, which each call leaves zero again (a captured
-// call replays as is). `prefetch`: bytes every block asks the L2 for its share of once it starts
-// (the model: the O projection's weights, read right after).
+// call replays as is).
 void decode_attention_rope(const bf16* qkv, const float* bias, const AttentionShape& shape, const int32_t* length,
                            float rope_theta, bf16* k_cache, bf16* v_cache, float scale, bf16* out, void* workspace,
-                           size_t workspace_bytes, cudaStream_t stream, const L2Prefetch& prefetch = {});
+                           size_t workspace_bytes, cudaStream_t stream);
 // Dh = 8·2^i, up to 256 (rows are read in 16-byte pieces by a power-of-two group of lanes).
 bool decode_attention_supports(int32_t head_dim);
 // Blocks per (sequence, query head) over the positions (from the shape and this device's SM count).

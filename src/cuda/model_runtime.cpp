@@ -173,13 +173,11 @@ struct CudaModel::Impl {
 
   // The layer's FFN of normed into the residual stream. Returns true when its output waits in
   // ffn_out for the caller to add (the decode FFN adds into hidden itself).
-  // `prefetch` reaches the L2 only on the predict path (the dense path's FFN is cuBLASLt's).
-  bool ffn(int32_t layer_index, int32_t n, const L2Prefetch& prefetch) {
+  bool ffn(int32_t layer_index, int32_t n) {
     DeviceLayer& layer = layers[layer_index];
     const int64_t rows = int64_t{batch} * n;
     if (path == FfnPath::predict && rows <= kDecodeMaxRows) {
-      layer.decode->run(normed.data(), rows, predictors[layer_index], hidden.data(), stream, {.accumulate = true},
-                        prefetch);
+      layer.decode->run(normed.data(), rows, predictors[layer_index], hidden.data(), stream, {.accumulate = true});
       return false;
     }
     if (path == FfnPath::dense)
@@ -233,14 +231,10 @@ struct CudaModel::Impl {
                  qkv_width(), GemmOutput::bf16, 0.0f, stream);
       }
       mark(kNormQkvStage);
-      // CudaModelOptions::l2_prefetch: at batch 1 the attention asks the L2 for this layer's O
-      // weights and the decode FFN for the next layer's QKV weights.
-      const bool prefetch = gemv && options.l2_prefetch;
       if (n == 1) {
-        mk::decode_attention_rope(
-            qkv.data(), layer.bqkv.get(), shape, length_device.data(), rope_theta, k_layer, v_layer, scale,
-            attention.data(), decode_attention_workspace.data(), decode_attention_workspace.size(), stream,
-            prefetch ? L2Prefetch{layer.wo.get(), q_dim() * d * int64_t{sizeof(bf16)}} : L2Prefetch{});
+        mk::decode_attention_rope(qkv.data(), layer.bqkv.get(), shape, length_device.data(), rope_theta, k_layer,
+                                  v_layer, scale, attention.data(), decode_attention_workspace.data(),
+                                  decode_attention_workspace.size(), stream);
       } else {
         mk::qkv_rope(qkv.data(), layer.bqkv.get(), shape, length_device.data(), rope_theta, q.data(), k_layer, v_layer,
                      stream);
@@ -265,10 +259,7 @@ struct CudaModel::Impl {
       mark(kOProjNormStage);
       // The FFN's output joins the stream in the next layer's attention RMSNorm (one pass over the
       // fp32 stream fewer), except where that norm is the QKV GEMV's own or there is no next layer.
-      const int64_t qkv_bytes = qkv_width() * d * int64_t{sizeof(bf16)};
-      const L2Prefetch next_qkv =
-          prefetch && index + 1 < c.n_layers ? L2Prefetch{layers[index + 1].wqkv.get(), qkv_bytes} : L2Prefetch{};
-      ffn_out_pending = ffn(index, n, next_qkv);
+      ffn_out_pending = ffn(index, n);
       if (ffn_out_pending && (gemv || index + 1 == c.n_layers)) {
         mk::add_residual(hidden.data(), ffn_out.data(), rows * d, stream);
         ffn_out_pending = false;

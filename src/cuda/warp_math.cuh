@@ -1,7 +1,7 @@
 // Device helpers shared by the CUDA kernels: bf16 pairs unpacked from 32-bit words, an 8-element
 // bf16 dot product on one 16-byte load each, a full-warp sum, the bf16 tensor-core product, and
 // asynchronous 16-byte copies into shared memory (cp.async), the two sides of a programmatic
-// dependent launch, and a share of an L2 prefetch.
+// dependent launch.
 #pragma once
 
 #include <cstdint>
@@ -65,24 +65,6 @@ __device__ __forceinline__ void wait_for_previous_grid() { asm volatile("griddep
 // ... and lets the grid launched after this one start before this one ends.
 __device__ __forceinline__ void allow_dependent_grids() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
-
-// Block `part` of `parts` asks the L2 for its share of [base, base + bytes) (cp.async.bulk.prefetch,
-// sm_90): one instruction per 64 KB piece, issued by the calling thread, nothing waited for. Each
-// share starts on a 16-byte boundary and the last piece is cut to a multiple of 16 bytes, as the
-// instruction requires (a tail of under 16 bytes is left to DRAM).
-__device__ __forceinline__ void prefetch_l2_share(const void* base, int64_t bytes, int part, int parts) {
-  constexpr int64_t kPiece = 64 * 1024;
-  if (base == nullptr || bytes <= 0) return;
-  const int64_t share = ((bytes + parts - 1) / parts + 15) / 16 * 16;
-  const int64_t begin = part * share, end = begin + share < bytes ? begin + share : bytes;
-  for (int64_t at = begin; at < end; at += kPiece) {
-    const int64_t left = end - at;
-    const uint32_t size = static_cast<uint32_t>((left < kPiece ? left : kPiece) / 16 * 16);
-    if (size != 0)
-      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(static_cast<const char*>(base) + at), "r"(size)
-                   : "memory");
-  }
 }
 
 }  // namespace twell::cuda

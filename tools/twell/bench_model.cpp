@@ -55,7 +55,6 @@ struct BenchModelOptions {
   uint64_t seed = 1;
   std::string device = "cpu";
   bool no_graphs = false;
-  bool l2_prefetch = false;
   std::string json_path;
 };
 
@@ -244,8 +243,7 @@ void run_bench_model(const BenchModelOptions& options) {
   std::unique_ptr<cuda::CudaModel> gpu;
   std::unique_ptr<cuda::EnergyCounter> energy;
   if (on_gpu) {
-    gpu = std::make_unique<cuda::CudaModel>(
-        model, cuda::CudaModelOptions{.decode_graphs = !options.no_graphs, .l2_prefetch = options.l2_prefetch});
+    gpu = std::make_unique<cuda::CudaModel>(model, cuda::CudaModelOptions{.decode_graphs = !options.no_graphs});
     energy = std::make_unique<cuda::EnergyCounter>();
   }
 #endif
@@ -364,7 +362,6 @@ void run_bench_model(const BenchModelOptions& options) {
       if (on_gpu) {
         record.extra["lm_head"] = !is_prefill;
         record.extra["graphs"] = !options.no_graphs;
-        record.extra["l2_prefetch"] = options.l2_prefetch;
         record.extra["ffn_dispatch"] = !twell_only;
         if (is_prefill && !std::isnan(times.prefill_twell_fraction)) {
           record.extra["ffn_calls_twell_fraction"] = times.prefill_twell_fraction;
@@ -425,8 +422,6 @@ void add_bench_model(CLI::App& bench) {
   command->add_option("--seed", options->seed, "seed of the prompts and of synthetic weights")->capture_default_str();
   command->add_option("--device", options->device, "cpu or cuda")->capture_default_str();
   command->add_flag("--no-graphs", options->no_graphs, "cuda: launch decode steps one kernel at a time");
-  command->add_flag("--l2-prefetch", options->l2_prefetch,
-                    "cuda, batch-1 decode: attention and the decode FFN ask the L2 for the next projection's weights");
   command->add_option("--json", options->json_path, "write the records to this JSON file");
   command->callback([options] { run_bench_model(*options); });
 }
