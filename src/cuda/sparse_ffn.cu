@@ -135,32 +135,24 @@ float SparseFfn::time_once(int path, const bf16* x, int64_t rows, const DeviceFf
   return ms;
 }
 
-namespace {
-template <size_t N>
-float median(float (&ms)[N]) {  // reorders ms
-  std::nth_element(ms, ms + N / 2, ms + N);
-  return ms[N / 2];
-}
-}  // namespace
-
 float SparseFfn::timed_run(int path, const bf16* x, int64_t rows, const DeviceFfnView& weights, bf16* y,
                            cudaStream_t stream) {
   // The untimed first run takes the one-time costs (plans, allocations, kernel attributes) out.
   run_path(path, x, rows, weights, y, stream);
-  float ms[kTimedRuns];
+  std::vector<float> ms(kTimedRuns);
   for (float& run_ms : ms) run_ms = time_once(path, x, rows, weights, y, stream);
-  return median(ms);
+  return median_of(std::move(ms));
 }
 
 void SparseFfn::time_in_turns(const int (&paths)[2], const bf16* x, int64_t rows, const DeviceFfnView& weights,
                               bf16* y, cudaStream_t stream, std::vector<float>& timing) {
-  float ms[2][kTimedRuns];
+  std::vector<float> ms[2] = {std::vector<float>(kTimedRuns), std::vector<float>(kTimedRuns)};
   for (int run = 0; run < kTimedRuns; ++run)
     for (int turn = 0; turn < 2; ++turn) {
       const int side = (run + turn) % 2;  // each path goes first in every other round
       ms[side][run] = time_once(paths[side], x, rows, weights, y, stream);
     }
-  for (int side = 0; side < 2; ++side) timing[static_cast<size_t>(paths[side])] = median(ms[side]);
+  for (int side = 0; side < 2; ++side) timing[static_cast<size_t>(paths[side])] = median_of(std::move(ms[side]));
 }
 
 void SparseFfn::run(const bf16* x, int64_t rows, const DeviceFfnView& weights, bf16* y, cudaStream_t stream) {

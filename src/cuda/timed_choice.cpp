@@ -6,14 +6,11 @@
 #include "twell/error.h"
 
 namespace twell::cuda {
-namespace {
 
 float median_of(std::vector<float> samples) {
   std::nth_element(samples.begin(), samples.begin() + samples.size() / 2, samples.end());
   return samples[samples.size() / 2];
 }
-
-}  // namespace
 
 TrialBook::TrialBook(int candidates) : candidates_(candidates) {
   TWELL_REQUIRE(candidates >= 1, "a timed choice needs a candidate, got {}", candidates);

@@ -31,6 +31,9 @@ inline int64_t call_bucket(int64_t rows, double nnz_per_row) {
   return row_bucket(rows) * 64 + density_bucket(nnz_per_row) + 1;
 }
 
+// The median of timed samples (one of them; the upper middle for an even count).
+float median_of(std::vector<float> samples);
+
 // The fastest of per-path times (ms; negative or non-finite: not a candidate) and the second
 // fastest when it lies within `close_ratio` of the first, the pair a dispatch times again side by
 // side (-1 where there is none).
