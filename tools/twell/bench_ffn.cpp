@@ -327,6 +327,10 @@ void add_bench_ffn(CLI::App& bench) {
   command->add_option("--compression", options->compression, "TwELL compression C (2, 4 or 8)")->capture_default_str();
   command->add_flag("!--split-one-stream", options->split_side_stream,
                     "cuda: a split's dense and TwELL parts one after the other on one stream (default: side by side)");
+  command->add_option("--hot-fractions", options->hot_fractions,
+                      "CUDA split paths: hot fractions of H to time, comma-separated (default 0.125,0.25,0.375,0.5)")
+      ->delimiter(',')
+      ->check(CLI::Range(0.0, 1.0).description("each in (0, 1)"));
   command->add_option("--impl", options->impls,
                       "cuda: implementations timed besides dense (dense_fused, twell, twell_split, twell_auto; "
                       "default all)")

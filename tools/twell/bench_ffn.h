@@ -27,6 +27,9 @@ struct FfnBenchOptions {
   int32_t tile = 128;         // TwELL T
   int32_t compression = 4;    // TwELL C
   bool split_side_stream = true;  // CUDA split paths: dense part on a second stream (SparseFfnOptions)
+  // CUDA split paths' hot fractions of H (twell_split, twell_auto); empty: SparseFfnOptions::
+  // kSortedNeuronHotFractions.
+  std::vector<double> hot_fractions;
   std::vector<std::string> impls;  // CUDA: the implementations to time besides dense; empty = all
   int threads = 0;            // CPU threads, 0 = all cores
   std::string isa;            // CPU ISA override ("scalar", "avx2", "avx512"); empty = best

@@ -124,7 +124,9 @@ class CudaTwell : public CudaImpl {
       : ffn_({.tile = options.tile,
               .compression = options.compression,
               .allow_dense = kind == Kind::automatic,
-              .hot_fractions = kind == Kind::twell ? std::vector<double>{} : cuda::SparseFfnOptions::kSortedNeuronHotFractions,
+              .hot_fractions = kind == Kind::twell                ? std::vector<double>{}
+                             : options.hot_fractions.empty() ? cuda::SparseFfnOptions::kSortedNeuronHotFractions
+                                                             : options.hot_fractions,
               .split_side_stream = options.split_side_stream}),
         kind_(kind),
         split_side_stream_(options.split_side_stream) {}
