@@ -20,6 +20,8 @@
 
 #include <cute/tensor.hpp>
 
+#include "cuda/operator_epilogue.cuh"
+
 #include "twell/bf16.h"
 #include "twell/formats/twell.h"
 
@@ -41,17 +43,8 @@ struct TwellPackOutput {
 // kTile = T. kMmaWarps: warps that hold accumulators (8 for two consumer warpgroups); each owns one
 // 8-row slot buffer of S <= T/2 words (C >= 2).
 template <int kTile, int kMmaWarps>
-class TwellPackEpilogue {
+class TwellPackEpilogue : public OperatorEpilogueBase<TwellPackOutput> {
  public:
-  // What the sm90 kernels read from an epilogue type; C and D are not used.
-  using ElementC = void;
-  using ElementD = cutlass::bfloat16_t;
-  using StrideC = cute::Stride<int64_t, cute::Int<1>, int64_t>;
-  using StrideD = StrideC;
-  using Arguments = TwellPackOutput;
-  using Params = TwellPackOutput;
-  using ThreadEpilogueOp = void;  // GemmUniversalAdapter names it
-
   static constexpr int kRowsPerPass = 8;
   static constexpr int kMaxSlots = kTile / 2;
   static constexpr int kWords = kTile / 32;  // 32-bit words of a row's column mask
@@ -59,19 +52,6 @@ class TwellPackEpilogue {
     alignas(16) TwellSlot slots[kMmaWarps][kRowsPerPass * kMaxSlots];
   };
 
-  template <class ProblemShape>
-  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
-    return args;
-  }
-  template <class ProblemShape>
-  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
-    return 0;
-  }
-  template <class ProblemShape>
-  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
-                                              cutlass::CudaHostAdapter* = nullptr) {
-    return cutlass::Status::kSuccess;
-  }
   template <class ProblemShape>
   static bool can_implement(ProblemShape const&, Arguments const& args) {
     return args.slots_per_tile >= 16 && args.slots_per_tile <= kMaxSlots && args.slots_per_tile % 4 == 0;
