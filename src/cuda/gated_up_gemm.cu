@@ -77,24 +77,17 @@ class ReluGatePairEpilogue : public OperatorEpilogueBase<GatePairOutput> {
                                  ResidueMNK, int thread_idx, char*) {
     using namespace cute;
     constexpr int kBlockN = size<1>(BlockShapeMNK{});
-    // ((2 columns, 2 row halves, atom N / 8 column blocks), MMA_M, MMA_N)
-    static_assert(size<0, 0>(FrgLayout{}) == 2 && size<0, 1>(FrgLayout{}) == 2, "sm90 64xN accumulator layout");
-    constexpr int kAtomBlocks = size<0, 2>(FrgLayout{});
-    constexpr int kMmaM = size<1>(FrgLayout{});
-    static_assert(kAtomBlocks % 2 == 0, "a gate block and its up block lie in one MMA atom");
-    static_assert(kAtomBlocks * 8 * size<2>(FrgLayout{}) == kBlockN, "accumulators cover the CTA tile's columns");
+    using Acc = Sm90Accumulators<FrgLayout, kBlockN>;
+    static_assert(Acc::kAtomBlocks % 2 == 0, "a gate block and its up block lie in one MMA atom");
     constexpr int kPairs = kBlockN / (2 * kGateUpPairRows);
 
     const int quad_lane = thread_idx % 4;
-    auto value = [&](int mm, int half, int block, int col) -> float {
-      return accumulators(make_coord(make_coord(col, half, block % kAtomBlocks), mm, block / kAtomBlocks));
-    };
     Tensor tile_coords = tiled_mma.get_thread_slice(thread_idx).partition_C(
         make_identity_tensor(take<0, 2>(blk_shape_mnk)));  // (MMA, MMA_M, MMA_N) -> (row, col) in the tile
     const int64_t first_row = static_cast<int64_t>(get<0>(blk_coord_mnkl)) * size<0>(BlockShapeMNK{});
     const int64_t first_neuron = static_cast<int64_t>(get<1>(blk_coord_mnkl)) * (kBlockN / 2) + 2 * quad_lane;
     CUTE_UNROLL
-    for (int mm = 0; mm < kMmaM; ++mm) {
+    for (int mm = 0; mm < Acc::kMmaM; ++mm) {
       CUTE_UNROLL
       for (int half = 0; half < 2; ++half) {
         const int64_t row = first_row + get<0>(tile_coords(make_coord(make_coord(0, half, 0), mm, 0)));
@@ -106,8 +99,9 @@ class ReluGatePairEpilogue : public OperatorEpilogueBase<GatePairOutput> {
           uint32_t word = 0;
           CUTE_UNROLL
           for (int c = 0; c < 2; ++c) {
-            const float gate = value(mm, half, 2 * p, c);
-            word |= uint32_t{float_to_bf16_bits(gate > 0.f ? gate * value(mm, half, 2 * p + 1, c) : 0.f)} << (16 * c);
+            const float gate = Acc::at(accumulators, mm, half, 2 * p, c);
+            const float up = Acc::at(accumulators, mm, half, 2 * p + 1, c);
+            word |= uint32_t{float_to_bf16_bits(gate > 0.f ? gate * up : 0.f)} << (16 * c);
           }
           out[kGateUpPairRows / 2 * p] = word;
         }

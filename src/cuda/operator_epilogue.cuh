@@ -41,6 +41,26 @@ struct OperatorEpilogueBase {
   }
 };
 
+// A thread's WGMMA accumulators for a CTA tile kBlockN columns wide, in the sm90 64xN layout
+// ((2 columns, 2 row halves, atom N / 8 column blocks), MMA_M, MMA_N): lane l holds, in every block of
+// 8 columns, the columns 2·(l%4) and +1 of the rows l/4 and l/4 + 8 of its warp's 16 in each MMA row
+// block. Indices must be compile-time (unrolled loops): a data-dependent one puts the accumulators in
+// local memory.
+template <class FrgLayout, int kBlockN>
+struct Sm90Accumulators {
+  static_assert(cute::size<0, 0>(FrgLayout{}) == 2 && cute::size<0, 1>(FrgLayout{}) == 2, "sm90 64xN accumulator layout");
+  static constexpr int kAtomBlocks = cute::size<0, 2>(FrgLayout{});
+  static constexpr int kMmaM = cute::size<1>(FrgLayout{});
+  static_assert(kAtomBlocks * 8 * cute::size<2>(FrgLayout{}) == kBlockN, "accumulators cover the CTA tile's columns");
+
+  // Column 8·block + 2·(l%4) + col of the row half `half` of MMA row block mm.
+  template <class Accumulators>
+  CUTLASS_DEVICE static float at(Accumulators const& accumulators, int mm, int half, int block, int col) {
+    using cute::make_coord;
+    return accumulators(make_coord(make_coord(col, half, block % kAtomBlocks), mm, block / kAtomBlocks));
+  }
+};
+
 // The GEMM around such an epilogue: bf16 x [M, K] and W [N, K] both K-major, fp32 accumulators.
 // Configuration measured on the H200 against the alternatives (docs/perf-notes.md, "Gate GEMM on
 // CUTLASS's mainloop"): ping-pong schedule (two consumer warpgroups take turns, so one's epilogue

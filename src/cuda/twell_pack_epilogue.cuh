@@ -70,11 +70,8 @@ class TwellPackEpilogue : public OperatorEpilogueBase<TwellPackOutput> {
     using namespace cute;
     constexpr int kBlockN = size<1>(BlockShapeMNK{});
     static_assert(kBlockN % kTile == 0, "a CTA tile holds whole TwELL tiles");
-    // ((2 columns, 2 row halves, atom N / 8 column blocks), MMA_M, MMA_N)
-    static_assert(size<0, 0>(FrgLayout{}) == 2 && size<0, 1>(FrgLayout{}) == 2, "sm90 64xN accumulator layout");
-    constexpr int kAtomBlocks = size<0, 2>(FrgLayout{});
-    constexpr int kMmaM = size<1>(FrgLayout{});
-    static_assert(kAtomBlocks * 8 * size<2>(FrgLayout{}) == kBlockN, "accumulators cover the CTA tile's columns");
+    using Acc = Sm90Accumulators<FrgLayout, kBlockN>;
+    constexpr int kMmaM = Acc::kMmaM;
 
     const int lane = thread_idx % 32;
     const int quad_lane = lane % 4;
@@ -83,7 +80,7 @@ class TwellPackEpilogue : public OperatorEpilogueBase<TwellPackOutput> {
     const int slots = params_.slots_per_tile;
 
     auto value = [&](int mm, int half, int block, int col) -> float {
-      const float v = accumulators(make_coord(make_coord(col, half, block % kAtomBlocks), mm, block / kAtomBlocks));
+      const float v = Acc::at(accumulators, mm, half, block, col);
       return v > 0.f ? v : 0.f;
     };
     Tensor tile_coords = tiled_mma.get_thread_slice(thread_idx).partition_C(
