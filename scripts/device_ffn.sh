@@ -50,13 +50,6 @@ if step bench; then
     "$bin/lab_gated_up_gemm" bench 1024,4096,16384,65536 2048 5632 50 "$out/lab_gated_up_gemm.json" 2>&1 |
       tee -a "$log" || status=1
   fi
-  # The dense parts with gate and up in one GEMM over interleaved rows, and without, in turn (two
-  # rounds; each JSON keeps its second).
-  for pairs in "" --no-gate-up-pairs "" --no-gate-up-pairs; do
-    echo "== twell bench ffn M = 16384 ${pairs:-(gate and up paired)}" | tee -a "$log"
-    "$bin/twell" bench ffn --device cuda --m 16384 --density 0.005,0.02,0.1 --impl dense_fused,twell_split,twell_auto \
-      --reps 30 $pairs --json "$out/ffn_16384_${pairs:+un}paired.json" 2>&1 | tee -a "$log" || status=1
-  done
 fi
 if step sanitize; then
   sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)

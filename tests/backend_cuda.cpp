@@ -83,13 +83,9 @@ cuda::DeviceArray<bf16> poisoned_y(int64_t rows, int32_t d_model) {
 
 std::string cuda_skip_reason() { return cuda::available() ? "" : "no CUDA device is available"; }
 
-// cuda::DenseFfn on the padded shapes; pair_gate_and_up: with the gate and up rows of its neurons
-// interleaved, as far as whole blocks of 8 reach (add_gate_up_pairs).
-void dense_ffn_padded(const float* x, int64_t rows, const FfnWeights& weights, float* y, cuda::DenseFfnOptions options,
-                      bool pair_gate_and_up = false) {
-  cuda::DeviceFfnWeights device_weights = cuda::upload_weights(pad_weights(weights));
-  if (pair_gate_and_up && weights.gated && weights.d_hidden >= 8)
-    cuda::add_gate_up_pairs(device_weights, weights.d_hidden / 8 * 8);
+// cuda::DenseFfn on the padded shapes.
+void dense_ffn_padded(const float* x, int64_t rows, const FfnWeights& weights, float* y, cuda::DenseFfnOptions options) {
+  const cuda::DeviceFfnWeights device_weights = cuda::upload_weights(pad_weights(weights));
   const cuda::DeviceArray<bf16> device_x = upload_x(x, rows, weights.d_model);
   const cuda::DeviceArray<bf16> device_y = poisoned_y(rows, weights.d_model);
   cuda::DenseFfn dense(options);
@@ -106,18 +102,6 @@ const bool registered_fused_gate = test::register_backend({
     .ffn_dense =
         [](const float* x, int64_t rows, const FfnWeights& weights, float* y) {
           dense_ffn_padded(x, rows, weights, y, {.fuse_gate_from_rows = 1});
-        },
-});
-
-// cuda::DenseFfn fused at every M from the interleaved gate and up rows: one GEMM for both
-// (gated_up_gemm.h) where H is a multiple of 8, else the fused path's two GEMMs.
-const bool registered_gate_up_pairs = test::register_backend({
-    .name = "cuda_gate_up_pairs",
-    .skip_reason = cuda_skip_reason,
-    .precision = {.hidden_bf16 = true, .output_bf16 = true},
-    .ffn_dense =
-        [](const float* x, int64_t rows, const FfnWeights& weights, float* y) {
-          dense_ffn_padded(x, rows, weights, y, {.fuse_gate_from_rows = 1}, /*pair_gate_and_up=*/true);
         },
 });
 

@@ -148,44 +148,6 @@ TEST_F(CudaFfnFromTwell, DenseWithTheGateInTheUpEpilogueMatchesTheBaseline) {
   }
 }
 
-// DenseFfn's fused path from interleaved gate and up rows (add_gate_up_pairs), y poisoned first:
-// pairs over all of H = 1000 (the whole layer in one GEMM) and over its first 504 neurons (the view
-// [0, 504) paired, [504, H) and the whole layer not: two GEMMs), each within 1.1x of the baseline's
-// error; the two views added into y sum to the FFN. Pairs of a count that is not a multiple of 8, or
-// past H, are refused.
-TEST_F(CudaFfnFromTwell, DenseFromGateUpPairsMatchesTheBaseline) {
-  const WorkloadSpec spec{.rows = cuda::DenseFfn::kFusedGateMinRows + 77, .d_model = 192, .d_hidden = 1000,
-                          .density = 0.1, .seed = 43};
-  test::WorkloadOnDevice d = test::upload_workload(spec);
-  const size_t count = d.work.x.size();
-  const cuda::DeviceArray<bf16> y = cuda::make_device_array<bf16>(count);
-  cuda::DenseFfn baseline, fused(cuda::DenseFfn::twell_options());
-  ASSERT_EQ(cudaMemset(y.get(), 0xff, count * sizeof(bf16)), cudaSuccess);
-  baseline.run(d.x.get(), spec.rows, d.weights, y.get());
-  const double baseline_error = error_of(d, y);
-  EXPECT_LT(baseline_error, 1e-2);
-  EXPECT_THROW(cuda::add_gate_up_pairs(d.weights, 1001), Error);
-  EXPECT_THROW(cuda::add_gate_up_pairs(d.weights, 1004), Error);
-  for (const int32_t paired : {1000, 504}) {
-    SCOPED_TRACE(testing::Message() << "paired neurons " << paired);
-    cuda::add_gate_up_pairs(d.weights, paired);
-    EXPECT_EQ(d.weights.view().neurons(0, 504).paired_neurons, 504);
-    EXPECT_EQ(d.weights.view().neurons(504, spec.d_hidden).paired_neurons, paired - 504);
-    ASSERT_EQ(cudaMemset(y.get(), 0xff, count * sizeof(bf16)), cudaSuccess);
-    fused.run(d.x.get(), spec.rows, d.weights, y.get());
-    EXPECT_LE(error_of(d, y), 1.1 * baseline_error + 1e-6) << "baseline error " << baseline_error;
-
-    const std::vector<float> start = make_normal(count, 1.0, 44);
-    const cuda::DeviceArray<bf16> y_sum = cuda::upload_bf16(start.data(), count);
-    for (const auto& [first, end] : {std::pair{0, 504}, std::pair{504, spec.d_hidden}})
-      fused.run(d.x.get(), spec.rows, d.weights.view().neurons(first, end), y_sum.get(), nullptr, {}, /*add_to_y=*/true);
-    std::vector<double> expected = d.y_ref;
-    for (size_t i = 0; i < count; ++i) expected[i] += start[i];
-    const std::vector<float> got = cuda::download_bf16(y_sum.get(), count);
-    EXPECT_LT(relative_l2_error(got.data(), expected.data(), count), 1e-2);
-  }
-}
-
 // DenseFfn with gate and up in one batched launch, on one buffer holding Wg before Wu, Wu before Wg,
 // and the two 8 bytes off a 16-byte multiple apart (two launches then, Wu 8 bytes off cuBLASLt's
 // assumed alignment): each within 1.1x of the baseline's error against float64, y poisoned first.

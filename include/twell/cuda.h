@@ -86,13 +86,9 @@ struct DeviceFfnView {
   const bf16* gate = nullptr;  // [H, D] (null when !gated)
   const bf16* up = nullptr;    // [H, D]
   const bf16* down = nullptr;  // [H, D]
-  // Optional (add_gate_up_pairs): the gate and up rows of the view's first paired_neurons neurons
-  // interleaved by 8, [2·paired_neurons, D]; DenseFfn's fused path runs a view paired whole as one GEMM.
-  const bf16* gate_up_pairs = nullptr;
-  int32_t paired_neurons = 0;
 
   const bf16* relu_projection() const { return gated ? gate : up; }
-  // Neurons [begin, end) of this view (paired as far as whole blocks of 8 of this view's pairs reach).
+  // Neurons [begin, end) of this view.
   DeviceFfnView neurons(int32_t begin, int32_t end) const;
 };
 
@@ -103,24 +99,14 @@ struct DeviceFfnWeights {
   DeviceArray<bf16> gate;  // [H, D] (null when !gated)
   DeviceArray<bf16> up;    // [H, D]
   DeviceArray<bf16> down;  // [H, D]
-  DeviceArray<bf16> gate_up_pairs;  // add_gate_up_pairs: [2·paired_neurons, D]
-  int32_t paired_neurons = 0;
 
   // The projection whose relu is packed: gate when gated, up otherwise (host_tensors.h).
   const bf16* relu_projection() const { return gated ? gate.get() : up.get(); }
-  DeviceFfnView view() const {
-    return {d_model, d_hidden, gated, gate.get(), up.get(), down.get(), gate_up_pairs.get(), paired_neurons};
-  }
+  DeviceFfnView view() const { return {d_model, d_hidden, gated, gate.get(), up.get(), down.get()}; }
   operator DeviceFfnView() const { return view(); }  // NOLINT: the ops take views of whole layers too
 };
 // Validates and uploads (every value rounded to bf16); synchronous.
 DeviceFfnWeights upload_weights(const FfnWeights& weights);
-// Interleaves the gate and up rows of neurons [0, neurons) (gated weights; a multiple of 8, at most H)
-// into weights.gate_up_pairs, 2·neurons·D more bf16 on the device, replacing earlier pairs. With them
-// DenseFfn's fused path computes relu(x·Wg^T) ⊙ (x·Wu^T) of those neurons in one GEMM, without
-// writing g to memory (src/cuda/gated_up_gemm.h): what a split's dense part runs is the weights'
-// first neurons, so the pairs only need to cover the largest hot fraction. Asynchronous on `stream`.
-void add_gate_up_pairs(DeviceFfnWeights& weights, int32_t neurons, cudaStream_t stream = nullptr);
 
 // ---- TwELL on the device (layout: include/twell/formats/twell.h) -----------------------------
 struct DeviceTwell {
@@ -267,9 +253,6 @@ class SparseFfn {
   bool last_call_was_dense() const { return last_path_ == kDensePath; }
   // Neurons the last call ran densely ahead of TwELL (0: plain TwELL, or all-dense).
   int32_t last_hot_neurons() const { return last_hot_neurons_; }
-  // The most neurons any path runs through DenseFfn on weights of `hidden` neurons (H with the
-  // all-dense path, else the largest split's): gate_up_pairs covering these serve every path.
-  int32_t densely_run_neurons(int32_t hidden) const;
   // Whether the last call was one of the dispatch's own measurements (a path's timed runs, or
   // TwELL run to see the density again) rather than the chosen path: a benchmark of the steady
   // state warms up until such calls stop.

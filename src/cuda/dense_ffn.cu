@@ -6,8 +6,6 @@
 // Non-gated: u = relu(x·Wu^T) (ReLU fused in the GEMM epilogue), y = u·Wd.
 // From fuse_gate_from_rows rows on (cuda.h), a relu gate goes into the up GEMM's epilogue (gated_up_gemm.h):
 //   g = x·Wg^T,  h = relu(g) ⊙ (x·Wu^T),  y = h·Wd.
-// Weights with gate_up_pairs covering the view (add_gate_up_pairs) take one GEMM instead of those two:
-//   h = relu(x·Wg^T) ⊙ (x·Wu^T) from the interleaved rows,  y = h·Wd.
 // Below, with batch_gate_and_up, g and u come from one cuBLASLt launch (a batch of two, x shared).
 // The activation sits in the elementwise kernel rather than the gate GEMM's epilogue: that kernel
 // reads g anyway, so relu costs nothing there, and silu / fatrelu need it.
@@ -94,13 +92,11 @@ void DenseFfn::run(const bf16* x, int64_t rows, const DeviceFfnView& weights, bf
   // The second half starts on a 256-byte boundary: activate_multiply reads bf16 pairs, and cuBLASLt's
   // kernels run fastest on aligned matrices.
   const int64_t second_half = (hidden_count + 127) / 128 * 128;
+  impl_->hidden.resize(weights.gated ? second_half + hidden_count : hidden_count);
   RowMajorGemm& gemm = impl_->gemm;
   const DenseFfnOptions& options = impl_->options;
   const bool fused = weights.gated && activation.kind == FfnActivation::relu && rows >= options.fuse_gate_from_rows &&
                      relu_gated_up_supported(h, d);
-  const bool paired = fused && weights.gate_up_pairs != nullptr && weights.paired_neurons >= h &&
-                      relu_gate_up_pairs_supported(h, d);
-  impl_->hidden.resize(weights.gated && !paired ? second_half + hidden_count : hidden_count);
   // Wg and Wu in memory order, their outputs in the same order in `hidden`: a batch of the two then
   // has positive strides. Non-gated: u alone, at the start.
   const auto address = [](const bf16* p) { return reinterpret_cast<std::uintptr_t>(p); };
@@ -108,10 +104,8 @@ void DenseFfn::run(const bf16* x, int64_t rows, const DeviceFfnView& weights, bf
   const bf16* const first_weights = up_first ? weights.up : weights.gate;
   const std::uintptr_t gap_bytes = address(up_first ? weights.gate : weights.up) - address(first_weights);
   bf16* const gate_out = impl_->hidden.data() + (up_first ? second_half : 0);
-  bf16* const up_out = impl_->hidden.data() + (up_first || paired ? 0 : second_half);
-  if (paired) {
-    relu_gate_up_pairs_gemm(x, rows, weights.gate_up_pairs, h, d, up_out, stream);
-  } else if (weights.gated && !fused && options.batch_gate_and_up && gap_bytes % 16 == 0) {
+  bf16* const up_out = impl_->hidden.data() + (up_first ? 0 : second_half);
+  if (weights.gated && !fused && options.batch_gate_and_up && gap_bytes % 16 == 0) {
     gemm.run(rows, h, d, {x, d, false}, {first_weights, d, true}, impl_->hidden.data(), h, GemmOutput::bf16, 0.0f,
              stream, GemmEpilogue::none,
              {.count = 2, .stride_a = 0, .stride_b = static_cast<int64_t>(gap_bytes / sizeof(bf16)), .stride_c = second_half});

@@ -2,7 +2,6 @@
 #include <algorithm>
 
 #include "cuda/cuda_utils.h"
-#include "cuda/gated_up_gemm.h"
 #include "twell/cuda.h"
 
 namespace twell::cuda {
@@ -114,23 +113,7 @@ DeviceFfnView DeviceFfnView::neurons(int32_t begin, int32_t end) const {
   TWELL_REQUIRE(0 <= begin && begin < end && end <= d_hidden, "DeviceFfnView: neurons [{}, {}) outside [0, {})", begin,
                 end, d_hidden);
   const int64_t offset = int64_t{begin} * d_model;
-  DeviceFfnView view{d_model, end - begin, gated, gated ? gate + offset : nullptr, up + offset, down + offset};
-  if (gate_up_pairs != nullptr && begin % kGateUpPairRows == 0 && begin < paired_neurons) {
-    view.paired_neurons = (std::min(end, paired_neurons) - begin) / kGateUpPairRows * kGateUpPairRows;
-    if (view.paired_neurons > 0) view.gate_up_pairs = gate_up_pairs + 2 * offset;
-  }
-  return view;
-}
-
-void add_gate_up_pairs(DeviceFfnWeights& weights, int32_t neurons, cudaStream_t stream) {
-  TWELL_REQUIRE(weights.gated, "add_gate_up_pairs: the weights have no gate");
-  TWELL_REQUIRE(neurons > 0 && neurons <= weights.d_hidden && neurons % kGateUpPairRows == 0,
-                "add_gate_up_pairs: neurons must be a positive multiple of {} up to H = {}, got {}", kGateUpPairRows,
-                weights.d_hidden, neurons);
-  weights.gate_up_pairs = make_device_array<bf16>(2 * static_cast<size_t>(neurons) * weights.d_model);
-  weights.paired_neurons = neurons;
-  interleave_gate_up(weights.gate.get(), weights.up.get(), neurons, weights.d_model, weights.gate_up_pairs.get(),
-                     stream);
+  return {d_model, end - begin, gated, gated ? gate + offset : nullptr, up + offset, down + offset};
 }
 
 DeviceFfnWeights upload_weights(const FfnWeights& weights) {

@@ -20,18 +20,6 @@ bool relu_gated_up_supported(int64_t hidden, int64_t d_model);
 void relu_gated_up_gemm(const bf16* x, int64_t rows, const bf16* w_up, int64_t hidden, int64_t d_model,
                         const bf16* gate, bf16* h, cudaStream_t stream);
 
-// The same product from one GEMM over the gate and up rows interleaved by 8 (interleave_gate_up):
-//   h [M, H] = bf16(relu(x·Wg^T) ⊙ (x·Wu^T)), both products in fp32 from the same accumulator tile.
-// No g round trip through global memory and one launch for both products; the epilogue reads g and
-// u from neighbouring accumulator columns. pairs: [2H, D], rows 16b..16b+7 = Wg[8b..8b+7], rows
-// 16b+8..16b+15 = Wu[8b..8b+7]. D a multiple of 8 (TMA rows), H of 8 (whole pair blocks).
-inline constexpr int32_t kGateUpPairRows = 8;
-bool relu_gate_up_pairs_supported(int64_t hidden, int64_t d_model);
-void interleave_gate_up(const bf16* w_gate, const bf16* w_up, int64_t hidden, int64_t d_model, bf16* pairs,
-                        cudaStream_t stream);
-void relu_gate_up_pairs_gemm(const bf16* x, int64_t rows, const bf16* pairs, int64_t hidden, int64_t d_model, bf16* h,
-                             cudaStream_t stream);
-
 // The unfused form's elementwise pass after cuBLASLt's up GEMM (any activation; src/cuda/dense_ffn.cu):
 // u = act(g) ⊙ u in place, count elements.
 void activate_multiply(const bf16* gate, bf16* up, int64_t count, GateActivation activation, cudaStream_t stream);

@@ -1,4 +1,4 @@
-// twell's GEMMs with their own epilogues (TwELL packing, the relu-gated pair product): CUTLASS's sm90
+// A GEMM with an epilogue of twell's own (the TwELL packing, twell_pack_epilogue.cuh): CUTLASS's sm90
 // mainloop and persistent scheduler, with an operator-style epilogue (the interface of
 // cutlass::epilogue::collective::DefaultEpilogue, run through Sm90TmaWarpSpecializedAdapter) that
 // reads the WGMMA accumulators in registers and writes its own outputs.

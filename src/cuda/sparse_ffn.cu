@@ -84,13 +84,6 @@ int32_t SparseFfn::hot_neurons(int path, int32_t hidden) const {
   return split_hot_neurons(options_.hot_fractions[static_cast<size_t>(path - kFirstSplitPath)], hidden, options_.tile);
 }
 
-int32_t SparseFfn::densely_run_neurons(int32_t hidden) const {
-  int32_t most = 0;
-  for (int path = kDensePath; path < path_count(); ++path)
-    if (path_available(path, hidden)) most = std::max(most, path == kDensePath ? hidden : hot_neurons(path, hidden));
-  return most;
-}
-
 bool SparseFfn::path_available(int path, int32_t hidden) const {
   if (path == kDensePath) return options_.allow_dense;
   const int32_t hot = hot_neurons(path, hidden);

@@ -331,8 +331,6 @@ void add_bench_ffn(CLI::App& bench) {
                       "CUDA split paths: hot fractions of H to time, comma-separated (default 0.125,0.25,0.375,0.5)")
       ->delimiter(',')
       ->check(CLI::Range(0.0, 1.0).description("each in (0, 1)"));
-  command->add_flag("!--no-gate-up-pairs", options->gate_up_pairs,
-                    "cuda: the dense parts' gate and up GEMMs as two, not one GEMM over interleaved rows");
   command->add_option("--impl", options->impls,
                       "cuda: implementations timed besides dense (dense_fused, twell, twell_split, twell_auto; "
                       "default all)")

@@ -30,7 +30,6 @@ struct FfnBenchOptions {
   // CUDA split paths' hot fractions of H (twell_split, twell_auto); empty: SparseFfnOptions::
   // kSortedNeuronHotFractions.
   std::vector<double> hot_fractions;
-  bool gate_up_pairs = true;  // CUDA: dense parts from interleaved gate and up rows (cuda::add_gate_up_pairs)
   std::vector<std::string> impls;  // CUDA: the implementations to time besides dense; empty = all
   int threads = 0;            // CPU threads, 0 = all cores
   std::string isa;            // CPU ISA override ("scalar", "avx2", "avx512"); empty = best

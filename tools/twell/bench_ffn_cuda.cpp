@@ -12,9 +12,6 @@
 //   twell_auto  cuda::SparseFfn: TwELL, a split, or dense per call (its rule in include/twell/cuda.h),
 //               on the sorted weights (extra: hot_neurons, dense; both dispatching ones also
 //               dispatch_ms, the times per path their dispatch chose from)
-// dense_fused, twell_split and twell_auto also hold the gate and up rows of the neurons they may run
-// densely interleaved (cuda::add_gate_up_pairs; --no-gate-up-pairs: not), which DenseFfn's fused
-// path runs as one GEMM; their peak_bytes include them.
 // The two dispatching ones first run untimed until their dispatch has timed its paths (extra
 // settle_calls; measured_calls: how many warm-up and timed calls were still its measurements).
 // Each run is timed with CUDA events around the call on the default stream, after cuda::L2Evictor has
@@ -69,8 +66,6 @@ class CudaImpl : public FfnBenchImpl {
   void prepare(const Workload& work, const std::vector<std::vector<float>>& inputs) override {
     rows_ = work.spec.rows;
     weights_ = cuda::upload_weights(sorts_neurons() ? sorted_by_activity(work.weights, work.spec.seed + 4242) : work.weights);
-    const int32_t paired = paired_neurons(work.spec.d_hidden) / 8 * 8;
-    if (pair_gate_and_up_ && work.spec.gated && paired > 0) cuda::add_gate_up_pairs(weights_, paired);
     inputs_.clear();
     for (const std::vector<float>& x : inputs) inputs_.push_back(cuda::upload_bf16(x.data(), x.size()));
     y_count_ = static_cast<size_t>(rows_) * work.spec.d_model;
@@ -90,16 +85,8 @@ class CudaImpl : public FfnBenchImpl {
   std::vector<float> output() override { return cuda::download_bf16(y_.get(), y_count_); }
 
  protected:
-  explicit CudaImpl(bool pair_gate_and_up) : pair_gate_and_up_(pair_gate_and_up) {}
   virtual void run(const bf16* x) = 0;
   virtual bool sorts_neurons() const { return false; }
-  // Leading neurons whose gate and up rows DenseFfn may take interleaved (gate_up_pairs): the
-  // implementation's extra memory includes them.
-  virtual int32_t paired_neurons(int32_t /*hidden*/) const { return 0; }
-  int64_t pairs_bytes() const {
-    return int64_t{2} * weights_.paired_neurons * weights_.d_model * static_cast<int64_t>(sizeof(bf16));
-  }
-  bool pair_gate_and_up_;
   int64_t rows_ = 0;
   cuda::DeviceFfnWeights weights_;
   std::vector<cuda::DeviceArray<bf16>> inputs_;
@@ -110,16 +97,13 @@ class CudaImpl : public FfnBenchImpl {
 
 class CudaDense : public CudaImpl {
  public:
-  CudaDense(const FfnBenchOptions& options, bool fuse_gate)
-      : CudaImpl(options.gate_up_pairs && fuse_gate),
-        dense_(fuse_gate ? cuda::DenseFfn::twell_options() : cuda::DenseFfnOptions{}),
-        fuse_gate_(fuse_gate) {}
+  explicit CudaDense(bool fuse_gate)
+      : dense_(fuse_gate ? cuda::DenseFfn::twell_options() : cuda::DenseFfnOptions{}), fuse_gate_(fuse_gate) {}
   std::string name() const override { return fuse_gate_ ? "dense_fused" : "dense"; }
-  int64_t peak_bytes() const override { return dense_.scratch_bytes() + pairs_bytes(); }
+  int64_t peak_bytes() const override { return dense_.scratch_bytes(); }
 
  private:
   void run(const bf16* x) override { dense_.run(x, rows_, weights_, y_.get()); }
-  int32_t paired_neurons(int32_t hidden) const override { return hidden; }
   cuda::DenseFfn dense_;
   bool fuse_gate_;
 };
@@ -137,8 +121,7 @@ class CudaTwell : public CudaImpl {
     return "";
   }
   CudaTwell(const FfnBenchOptions& options, Kind kind)
-      : CudaImpl(options.gate_up_pairs),
-        ffn_({.tile = options.tile,
+      : ffn_({.tile = options.tile,
               .compression = options.compression,
               .allow_dense = kind == Kind::automatic,
               .hot_fractions = kind == Kind::twell                ? std::vector<double>{}
@@ -148,7 +131,7 @@ class CudaTwell : public CudaImpl {
         kind_(kind),
         split_side_stream_(options.split_side_stream) {}
   std::string name() const override { return name_of(kind_); }
-  int64_t peak_bytes() const override { return ffn_.scratch_bytes() + pairs_bytes(); }
+  int64_t peak_bytes() const override { return ffn_.scratch_bytes(); }
   double run_ms(int input) override {
     const double ms = CudaImpl::run_ms(input);
     measured_calls_ += ffn_.last_call_measured() ? 1 : 0;
@@ -176,7 +159,6 @@ class CudaTwell : public CudaImpl {
       nlohmann::json dispatch_ms = nlohmann::json::object();
       for (const auto& [path, ms] : ffn_.last_bucket_times()) dispatch_ms[path] = ms;
       return {{"hot_neurons", ffn_.last_hot_neurons()},
-              {"paired_neurons", weights_.paired_neurons},
               {"dense", ffn_.last_call_was_dense()},
               {"split_side_stream", split_side_stream_},
               {"measured_calls", measured_calls_},
@@ -199,7 +181,6 @@ class CudaTwell : public CudaImpl {
  private:
   void run(const bf16* x) override { ffn_.run(x, rows_, weights_, y_.get()); }
   bool sorts_neurons() const override { return kind_ != Kind::twell; }
-  int32_t paired_neurons(int32_t hidden) const override { return ffn_.densely_run_neurons(hidden); }
   cuda::SparseFfn ffn_;
   int measured_calls_ = 0;  // warm-up and timed calls that were the dispatch's measurements
   Kind kind_;
@@ -212,9 +193,9 @@ FfnBenchDevice make_cuda_ffn_bench(const FfnBenchOptions& options) {
   TWELL_REQUIRE(cuda::available(), "--device cuda: no CUDA device is available");
   FfnBenchDevice device;
   device.model = cuda::device_name();
-  device.impls.push_back(std::make_unique<CudaDense>(options, /*fuse_gate=*/false));
+  device.impls.push_back(std::make_unique<CudaDense>(/*fuse_gate=*/false));
   std::vector<std::unique_ptr<FfnBenchImpl>> others;
-  others.push_back(std::make_unique<CudaDense>(options, /*fuse_gate=*/true));
+  others.push_back(std::make_unique<CudaDense>(/*fuse_gate=*/true));
   for (CudaTwell::Kind kind : CudaTwell::kKinds) others.push_back(std::make_unique<CudaTwell>(options, kind));
   for (const std::string& name : options.impls)
     TWELL_REQUIRE(std::any_of(others.begin(), others.end(), [&](const auto& impl) { return impl->name() == name; }),
