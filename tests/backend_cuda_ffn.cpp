@@ -5,7 +5,9 @@
 // SparseFfn (sparse_ffn.cu) when the workload changes between calls, and its split paths (y added to,
 // views of neuron ranges). Skipped without a GPU.
 #include <limits>
+#include <map>
 #include <set>
+#include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -248,6 +250,43 @@ TEST_F(CudaFfnFromTwell, SplitIsRecheckedWhenTheDensityChanges) {
   EXPECT_TRUE(calls(sparse_input, 8).first.contains(0));
 }
 
+// A layer that runs dense packs nothing, so its density was never seen again: an input turned
+// sparse kept it dense for good. Every kDenseCallsPerProbe-th dense call packs a few of its rows; a
+// density 2 buckets off makes a later call a plain TwELL recheck, and the paths are timed anew at
+// the new density.
+TEST_F(CudaFfnFromTwell, DenseLayerWhoseInputTurnsSparseIsLookedAtAgain) {
+  cuda::SparseFfn ffn({.tile = 128, .compression = 4});
+  const auto spec = [](double density) {
+    return WorkloadSpec{.rows = 4096, .d_model = 512, .d_hidden = 4096, .density = density, .seed = 35};
+  };
+  const Workload dense_input = make_workload(spec(0.3)), sparse_input = make_workload(spec(0.002));
+  cuda::DeviceFfnWeights layer = cuda::upload_weights(dense_input.weights);
+  const cuda::DeviceArray<bf16> y = cuda::make_device_array<bf16>(dense_input.x.size());
+  const cuda::DeviceArray<bf16> x_dense = cuda::upload_bf16(dense_input.x.data(), dense_input.x.size());
+  for (int call = 0; call < 8; ++call) ffn.run(x_dense.get(), 4096, layer, y.get());
+  ASSERT_TRUE(ffn.last_call_was_dense()) << "at 30% TwELL was expected several times slower than dense";
+  ASSERT_FALSE(ffn.last_call_measured());
+
+  overwrite(layer, sparse_input.weights);
+  const cuda::DeviceArray<bf16> x_sparse = cuda::upload_bf16(sparse_input.x.data(), sparse_input.x.size());
+  // The probe comes by the kDenseCallsPerProbe-th dense call, its counters within kCounterSlots (4)
+  // calls, the recheck on the call after.
+  constexpr int kLatest = cuda::FfnDensityBook::kDenseCallsPerProbe + 4 + 1;
+  int first_measured = -1;
+  for (int call = 0; call < kLatest + 30; ++call) {
+    ffn.run(x_sparse.get(), 4096, layer, y.get());
+    if (first_measured < 0 && ffn.last_call_measured()) first_measured = call;
+  }
+  EXPECT_GE(first_measured, 0) << "the layer stayed dense without a look at its new density";
+  EXPECT_LE(first_measured, kLatest);
+  EXPECT_FALSE(ffn.last_call_measured());
+  std::map<std::string, float> times;
+  for (const auto& [path, ms] : ffn.last_bucket_times()) times[path] = ms;
+  ASSERT_TRUE(times.contains("twell") && times.contains("dense")) << "the new density's bucket was not timed";
+  EXPECT_EQ(ffn.last_call_was_dense(), times["dense"] < times["twell"]);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
 // A model shares one SparseFfn among its layers: a split call's sparse density is compared with its
 // own layer's earlier calls, not another layer's. Two layers whose sparse parts lie 2 buckets apart
 // (a factor of 4), both taking the split, run it call after call once the paths are timed. Compared
@@ -367,6 +406,38 @@ TEST(FfnDensityBook, DensitiesPerRowCountAndSplitsPerLayer) {
   EXPECT_FALSE(book.take_recheck(4096, &layer_c));
 
   EXPECT_THROW(cuda::FfnDensityBook(0), Error);
+}
+
+// Dense calls are probed on every kDenseCallsPerProbe-th of their (M bucket, layer). A probe 2
+// density buckets off the density its call was keyed by (the layer's own, else the one it borrows)
+// marks that call's M bucket for a recheck; one bucket off does not; a probe's density is not kept.
+TEST(FfnDensityBook, ProbesOfDenseCalls) {
+  using Book = cuda::FfnDensityBook;
+  Book book(4);
+  const int layer = 0, other = 0;
+  for (int call = 1; call <= 2 * Book::kDenseCallsPerProbe; ++call)
+    EXPECT_EQ(book.density_probe_due(4096, &layer), call % Book::kDenseCallsPerProbe == 0) << "call " << call;
+  EXPECT_FALSE(book.density_probe_due(16, &layer));  // counted per M bucket and layer
+  EXPECT_FALSE(book.density_probe_due(4096, &other));
+
+  book.issue(0, Book::Call{.rows = 4096, .layer = &layer});
+  book.observe(0, 4096 * 500);  // density bucket floor(log2(501)) = 8
+  const auto probe = [&](const int* probed_layer, uint64_t per_row) {
+    book.issue(1, Book::Call{.rows = 256, .layer = probed_layer, .probe_of_rows = 4096});
+    book.observe(1, 256 * per_row);
+  };
+  probe(&layer, 200);  // bucket 7
+  EXPECT_FALSE(book.take_recheck(4096, &layer));
+  probe(&layer, 100);  // bucket 6
+  EXPECT_FALSE(book.take_recheck(256, &layer));  // the probed call's M bucket, not the probe's
+  EXPECT_TRUE(book.take_recheck(4096, &layer));
+  EXPECT_FALSE(book.take_recheck(4096, &layer));
+  EXPECT_EQ(book.nnz_per_row(4096, &layer), 500.0);
+  EXPECT_EQ(book.nnz_per_row(256, &layer), -1.0);
+  probe(&other, 2000);  // bucket 10 against the borrowed 8
+  EXPECT_TRUE(book.take_recheck(4096, &other));
+  probe(&other, 700);  // bucket 9
+  EXPECT_FALSE(book.take_recheck(4096, &other));
 }
 
 // What SparseFfn times again side by side once every path of a bucket has its time (no GPU):

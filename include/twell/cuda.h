@@ -210,7 +210,10 @@ class DenseFfn {
 // reads the newest slot whose copy has finished, without waiting; only when the GPU is a whole ring
 // behind does a call wait for the oldest, so the density a call is keyed by is at most kCounterSlots
 // TwELL calls old even when the host runs far ahead (with one slot, a host that stays ahead never saw
-// a density change). While dense is chosen the density is not observed again, and dense stays. The
+// a density change). Dense calls pack nothing: every FfnDensityBook::kDenseCallsPerProbe-th dense call
+// of an (M bucket, layer) also packs kProbeRows of its rows (from the middle of the batch), and a
+// probe 2 density buckets off the call's key makes a later call a plain TwELL recheck (without it, a
+// layer whose input turned from 10% to 0.5% stayed dense, 0.99x where a split ran 1.63x). The
 // spill grows (for the next call) when a packing overflowed it.
 //
 // Split paths (hot_fractions): the neurons [0, f·H) (rounded to whole TwELL tiles) run through
@@ -290,6 +293,12 @@ class SparseFfn {
   // Reads the newest finished slot (waits for the oldest only when all kCounterSlots are in flight
   // and unread) into densities_, and grows the spill when that packing overflowed it.
   void read_counters();
+  // Copies the packing's counters into the next slot, described to densities_ as a call of `rows` on
+  // `layer` (FfnDensityBook::Call: `hot` neurons ran densely; a probe of a call of probe_of_rows).
+  void copy_counters(int64_t rows, int32_t hot, const void* layer, int64_t probe_of_rows, cudaStream_t stream);
+  // Packs up to kProbeRows rows of a dense call, for their density only (FfnDensityBook).
+  static constexpr int64_t kProbeRows = 256;
+  void probe_density(const bf16* x, int64_t rows, const DeviceFfnView& weights, cudaStream_t stream);
 
   SparseFfnOptions options_;
   DeviceTwell packed_;

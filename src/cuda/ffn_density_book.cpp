@@ -17,6 +17,12 @@ void FfnDensityBook::issue(int slot, const Call& call) { calls_.at(static_cast<s
 void FfnDensityBook::observe(int slot, uint64_t nnz) {
   const Call& call = calls_.at(static_cast<size_t>(slot));
   const double row_nnz = static_cast<double>(nnz) / static_cast<double>(call.rows);
+  if (call.probe_of_rows > 0) {
+    const double keyed = nnz_per_row(call.probe_of_rows, call.layer);
+    if (keyed < 0 || std::abs(density_bucket(keyed) - density_bucket(row_nnz)) >= 2)
+      rechecks_.insert({row_bucket(call.probe_of_rows), call.layer});
+    return;
+  }
   const LayerAtRows at{row_bucket(call.rows), call.layer};
   if (call.hot == 0) {
     newest_nnz_per_row_[at.first] = row_nnz;
@@ -41,6 +47,10 @@ double FfnDensityBook::nnz_per_row(int64_t rows, const void* layer) const {
   if (const auto own = layer_nnz_per_row_.find({bucket, layer}); own != layer_nnz_per_row_.end()) return own->second;
   const auto newest = newest_nnz_per_row_.find(bucket);
   return newest == newest_nnz_per_row_.end() ? -1.0 : newest->second;
+}
+
+bool FfnDensityBook::density_probe_due(int64_t rows, const void* layer) {
+  return ++dense_calls_[{row_bucket(rows), layer}] % kDenseCallsPerProbe == 0;
 }
 
 bool FfnDensityBook::take_recheck(int64_t rows, const void* layer) {

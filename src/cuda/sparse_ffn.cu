@@ -113,6 +113,11 @@ void SparseFfn::run_path(int path, const bf16* x, int64_t rows, const DeviceFfnV
     dense_.run(x, rows, weights.neurons(0, hot), y, side_->get(), {}, /*add_to_y=*/true, twell_done_);
     side_->join_into(stream);
   }
+  copy_counters(rows, hot, weights.relu_projection(), /*probe_of_rows=*/0, stream);
+}
+
+void SparseFfn::copy_counters(int64_t rows, int32_t hot, const void* layer, int64_t probe_of_rows,
+                              cudaStream_t stream) {
   const int slot = static_cast<int>(twell_calls_ % kCounterSlots);
   Counters* counters = counters_host_ + slot;
   TWELL_CUDA_CHECK(
@@ -120,8 +125,19 @@ void SparseFfn::run_path(int path, const bf16* x, int64_t rows, const DeviceFfnV
   TWELL_CUDA_CHECK(cudaMemcpyAsync(&counters->spill_used, packed_.spill_used.get(), sizeof counters->spill_used,
                                    cudaMemcpyDeviceToHost, stream));
   TWELL_CUDA_CHECK(cudaEventRecord(counters_ready_[slot], stream));
-  densities_->issue(slot, {rows, hot, current_bucket_, weights.relu_projection()});
+  densities_->issue(slot, {.rows = rows, .hot = hot, .bucket = current_bucket_, .layer = layer,
+                           .probe_of_rows = probe_of_rows});
   ++twell_calls_;
+}
+
+void SparseFfn::probe_density(const bf16* x, int64_t rows, const DeviceFfnView& weights, cudaStream_t stream) {
+  // Rows from the middle: a batch's first rows are its first sequence's first tokens, whose
+  // activations are the least typical.
+  const int64_t probed = std::min(rows, kProbeRows);
+  read_counters();  // also frees this probe's slot
+  gate_to_twell(x + (rows - probed) / 2 * weights.d_model, probed, weights, options_.tile, options_.compression,
+                packed_, stream);
+  copy_counters(probed, /*hot=*/0, weights.relu_projection(), rows, stream);
 }
 
 float SparseFfn::time_once(int path, const bf16* x, int64_t rows, const DeviceFfnView& weights, bf16* y,
@@ -212,6 +228,7 @@ void SparseFfn::run(const bf16* x, int64_t rows, const DeviceFfnView& weights, b
   }
   const int best = two.best;
   run_path(best, x, rows, weights, y, stream);
+  if (best == kDensePath && densities_->density_probe_due(rows, layer)) probe_density(x, rows, weights, stream);
   finish(best);
 }
 
