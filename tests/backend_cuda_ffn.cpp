@@ -408,20 +408,25 @@ TEST(FfnDensityBook, DensitiesPerRowCountAndSplitsPerLayer) {
   EXPECT_THROW(cuda::FfnDensityBook(0), Error);
 }
 
-// Dense calls are probed on every kDenseCallsPerProbe-th of their (M bucket, layer). A probe 2
-// density buckets off the density its call was keyed by (the layer's own, else the one it borrows)
-// marks that call's M bucket for a recheck; one bucket off does not; a probe's density is not kept.
+// Dense calls are probed on every kDenseCallsPerProbe-th of their (M bucket, layer), and on the
+// first while the layer borrows its density. A probe 2 density buckets off the density its call was
+// keyed by (the layer's own, else the one it borrows) marks that call's M bucket for a recheck; one
+// bucket off does not; a probe's density is not kept.
 TEST(FfnDensityBook, ProbesOfDenseCalls) {
   using Book = cuda::FfnDensityBook;
   Book book(4);
-  const int layer = 0, other = 0;
-  for (int call = 1; call <= 2 * Book::kDenseCallsPerProbe; ++call)
-    EXPECT_EQ(book.density_probe_due(4096, &layer), call % Book::kDenseCallsPerProbe == 0) << "call " << call;
-  EXPECT_FALSE(book.density_probe_due(16, &layer));  // counted per M bucket and layer
-  EXPECT_FALSE(book.density_probe_due(4096, &other));
-
+  const int layer = 0, other = 0, third = 0;
   book.issue(0, Book::Call{.rows = 4096, .layer = &layer});
   book.observe(0, 4096 * 500);  // density bucket floor(log2(501)) = 8
+  for (int call = 1; call <= 2 * Book::kDenseCallsPerProbe; ++call)
+    EXPECT_EQ(book.density_probe_due(4096, &layer), call % Book::kDenseCallsPerProbe == 0) << "call " << call;
+  // Counted per M bucket and layer; the first dense call of a layer without a density of its own at
+  // that M bucket is probed.
+  EXPECT_TRUE(book.density_probe_due(16, &layer));
+  EXPECT_FALSE(book.density_probe_due(16, &layer));
+  EXPECT_TRUE(book.density_probe_due(4096, &third));
+  EXPECT_FALSE(book.density_probe_due(4096, &third));
+
   const auto probe = [&](const int* probed_layer, uint64_t per_row) {
     book.issue(1, Book::Call{.rows = 256, .layer = probed_layer, .probe_of_rows = 4096});
     book.observe(1, 256 * per_row);

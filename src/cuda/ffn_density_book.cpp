@@ -50,7 +50,9 @@ double FfnDensityBook::nnz_per_row(int64_t rows, const void* layer) const {
 }
 
 bool FfnDensityBook::density_probe_due(int64_t rows, const void* layer) {
-  return ++dense_calls_[{row_bucket(rows), layer}] % kDenseCallsPerProbe == 0;
+  const LayerAtRows at{row_bucket(rows), layer};
+  const int64_t calls = ++dense_calls_[at];
+  return calls % kDenseCallsPerProbe == 0 || (calls == 1 && !layer_nnz_per_row_.contains(at));
 }
 
 bool FfnDensityBook::take_recheck(int64_t rows, const void* layer) {

@@ -40,9 +40,10 @@ class FfnDensityBook {
   // layer) the same way.
   void observe(int slot, uint64_t nnz);
   // Counts a dense call of `rows` on `layer`; true on every kDenseCallsPerProbe-th of that (M bucket,
-  // layer), after which the caller probes the call's density. While dense runs nothing else packs,
-  // so without probes a layer whose input became sparse stayed dense for good (M = 16384: dense at
-  // 0.5% after 10%, 0.99x where a split runs 1.63x; docs/perf-notes.md).
+  // layer), and on the first while the layer runs on another layer's density, after which the caller
+  // probes the call's density. While dense runs nothing else packs, so without probes a layer whose
+  // input became sparse stayed dense for good (M = 16384: dense at 0.5% after 10%, 0.99x where a
+  // split runs 1.63x; docs/perf-notes.md), and so did new weights keyed by a denser layer's density.
   bool density_probe_due(int64_t rows, const void* layer);
   // Non-zeros per row last seen on `layer` at the M bucket of `rows`, else the newest any layer showed
   // at that M bucket; -1 while none was.

@@ -12,8 +12,9 @@
 //   twell_auto  cuda::SparseFfn: TwELL, a split, or dense per call (its rule in include/twell/cuda.h),
 //               on the sorted weights (extra: hot_neurons, dense; both dispatching ones also
 //               dispatch_ms, the times per path their dispatch chose from)
-// The two dispatching ones first run untimed until their dispatch has timed its paths (extra
-// settle_calls; measured_calls: how many warm-up and timed calls were still its measurements).
+// The two dispatching ones get a new dispatch for each (M, density) cell and first run untimed until
+// it has timed its paths (extra settle_calls; measured_calls: how many warm-up and timed calls were
+// still its measurements).
 // Each run is timed with CUDA events around the call on the default stream, after cuda::L2Evictor has
 // emptied the L2 (the driver interleaves the implementations: else one would find the weights the
 // previous one left there).
@@ -121,20 +122,27 @@ class CudaTwell : public CudaImpl {
     return "";
   }
   CudaTwell(const FfnBenchOptions& options, Kind kind)
-      : ffn_({.tile = options.tile,
-              .compression = options.compression,
-              .allow_dense = kind == Kind::automatic,
-              .hot_fractions = kind == Kind::twell                ? std::vector<double>{}
-                             : options.hot_fractions.empty() ? cuda::SparseFfnOptions::kSortedNeuronHotFractions
-                                                             : options.hot_fractions,
-              .split_side_stream = options.split_side_stream}),
-        kind_(kind),
-        split_side_stream_(options.split_side_stream) {}
+      : ffn_options_{.tile = options.tile,
+                     .compression = options.compression,
+                     .allow_dense = kind == Kind::automatic,
+                     .hot_fractions = kind == Kind::twell ? std::vector<double>{}
+                                      : options.hot_fractions.empty()
+                                          ? cuda::SparseFfnOptions::kSortedNeuronHotFractions
+                                          : options.hot_fractions,
+                     .split_side_stream = options.split_side_stream},
+        kind_(kind) {}
   std::string name() const override { return name_of(kind_); }
-  int64_t peak_bytes() const override { return ffn_.scratch_bytes(); }
+  // A dispatch of its own per (M, density) cell: what a caller with that workload gets, whatever
+  // cells ran before (one dispatch over the grid ran dense at 0.5% after 10%, docs/perf-notes.md).
+  void prepare(const Workload& work, const std::vector<std::vector<float>>& inputs) override {
+    ffn_.reset();
+    CudaImpl::prepare(work, inputs);
+    ffn_ = std::make_unique<cuda::SparseFfn>(ffn_options_);
+  }
+  int64_t peak_bytes() const override { return ffn_->scratch_bytes(); }
   double run_ms(int input) override {
     const double ms = CudaImpl::run_ms(input);
-    measured_calls_ += ffn_.last_call_measured() ? 1 : 0;
+    measured_calls_ += ffn_->last_call_measured() ? 1 : 0;
     return ms;
   }
   // The dispatch times its paths per (M, density) bucket, and the rotated inputs may fall in more
@@ -146,7 +154,7 @@ class CudaTwell : public CudaImpl {
     int calls = 0;
     for (int quiet = 0; quiet < 2 * input_sets && calls < kMaxCalls; ++calls) {
       run(inputs_[static_cast<size_t>(calls % input_sets)].get());
-      quiet = ffn_.last_call_measured() ? 0 : quiet + 1;
+      quiet = ffn_->last_call_measured() ? 0 : quiet + 1;
     }
     TWELL_REQUIRE(cudaDeviceSynchronize() == cudaSuccess, "CUDA error while the dispatch settled");
     return calls;
@@ -157,15 +165,15 @@ class CudaTwell : public CudaImpl {
   nlohmann::json extra_measurements(int reps) override {
     if (kind_ != Kind::twell) {
       nlohmann::json dispatch_ms = nlohmann::json::object();
-      for (const auto& [path, ms] : ffn_.last_bucket_times()) dispatch_ms[path] = ms;
-      return {{"hot_neurons", ffn_.last_hot_neurons()},
-              {"dense", ffn_.last_call_was_dense()},
-              {"split_side_stream", split_side_stream_},
+      for (const auto& [path, ms] : ffn_->last_bucket_times()) dispatch_ms[path] = ms;
+      return {{"hot_neurons", ffn_->last_hot_neurons()},
+              {"dense", ffn_->last_call_was_dense()},
+              {"split_side_stream", ffn_options_.split_side_stream},
               {"measured_calls", measured_calls_},
               {"dispatch_ms", dispatch_ms}};
     }
     cuda::DeviceTwell packed;
-    const int32_t tile = ffn_.packed().shape.tile, compression = ffn_.packed().shape.compression;
+    const int32_t tile = ffn_->packed().shape.tile, compression = ffn_->packed().shape.compression;
     cuda::gate_to_twell_complete(inputs_[0].get(), rows_, weights_, tile, compression, packed);
     const double gate_ms =
         median_ms(reps, [&](const bf16* x) { cuda::gate_to_twell(x, rows_, weights_, tile, compression, packed); });
@@ -179,12 +187,12 @@ class CudaTwell : public CudaImpl {
   }
 
  private:
-  void run(const bf16* x) override { ffn_.run(x, rows_, weights_, y_.get()); }
+  void run(const bf16* x) override { ffn_->run(x, rows_, weights_, y_.get()); }
   bool sorts_neurons() const override { return kind_ != Kind::twell; }
-  cuda::SparseFfn ffn_;
+  cuda::SparseFfnOptions ffn_options_;
+  std::unique_ptr<cuda::SparseFfn> ffn_;  // made by prepare, per cell
   int measured_calls_ = 0;  // warm-up and timed calls that were the dispatch's measurements
   Kind kind_;
-  bool split_side_stream_;
 };
 
 }  // namespace
