@@ -467,8 +467,8 @@ TEST(FastestTwo, RunnerUpOnlyWithinTheRatio) {
   EXPECT_EQ(two.close_second, -1);
 }
 
-// The bench's grid runs one SparseFfn over new weights at each density. Weights 10x denser than
-// the ones the split was chosen on, keyed by the earlier weights' density, ran that split for good
+// One SparseFfn over new weights of another density (as the bench's grid ran before it made a
+// dispatch per cell). Weights 10x denser than the ones the split was chosen on, keyed by the earlier weights' density, ran that split for good
 // (0.24x dense at 10%): now their first split, far from the bucket's first, makes the next call a
 // plain TwELL recheck, and their own density keys them from then on.
 TEST_F(CudaFfnFromTwell, NewWeightsOfAnotherDensityAreLookedAtAgain) {
