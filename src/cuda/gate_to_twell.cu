@@ -5,6 +5,11 @@
 // sharing each weight tile through TMA multicast); only the epilogue is twell's.
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/device/gemm_universal_adapter.h>
+#include <cutlass/gemm/dispatch_policy.hpp>
+#include <cutlass/gemm/kernel/gemm_universal.hpp>
+#include <cutlass/epilogue/collective/detail.hpp>
 
 #include "cuda/cuda_utils.h"
 #include "cuda/cutlass_run.cuh"
@@ -16,9 +21,26 @@ namespace {
 
 using Element = cutlass::bfloat16_t;
 
-// The kernel for TwELL tiles of kTile columns (its configuration: operator_epilogue.cuh).
+// The kernel for TwELL tiles of kTile columns. Configuration measured on the H200 against the
+// alternatives (docs/perf-notes.md, "Gate GEMM on CUTLASS's mainloop"): ping-pong schedule (two
+// consumer warpgroups take turns, so one's packing epilogue overlaps the other's WGMMAs), a 64 x 256
+// tile per warpgroup, clusters of 2 along M multicasting the weight tile, as many stages as shared
+// memory holds beside the epilogue's slot buffers.
 template <int kTile>
-using GateKernel = PingpongGemm<TwellPackEpilogue<kTile, /*kMmaWarps=*/4>>;
+struct GateKernel {
+  using Schedule = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
+  using PackEpilogue = TwellPackEpilogue<kTile, /*kMmaWarps=*/4>;
+  using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<PackEpilogue>;
+  using TileShape = cute::Shape<cute::_64, cute::_256, cute::_64>;
+  using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::RowMajor, 8, Element,
+      cutlass::layout::ColumnMajor, 8, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename PackEpilogue::SharedStorage))>,
+      Schedule>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+};
 
 template <class Config>
 void launch_gate_to_twell(const bf16* x, int64_t rows, const bf16* weight, int32_t d_model, const TwellPackOutput& out,

@@ -20,8 +20,6 @@
 
 #include <cute/tensor.hpp>
 
-#include "cuda/operator_epilogue.cuh"
-
 #include "twell/bf16.h"
 #include "twell/formats/twell.h"
 
@@ -43,8 +41,17 @@ struct TwellPackOutput {
 // kTile = T. kMmaWarps: warps that hold accumulators (8 for two consumer warpgroups); each owns one
 // 8-row slot buffer of S <= T/2 words (C >= 2).
 template <int kTile, int kMmaWarps>
-class TwellPackEpilogue : public OperatorEpilogueBase<TwellPackOutput> {
+class TwellPackEpilogue {
  public:
+  // What the sm90 kernels read from an epilogue type; C and D are not used.
+  using ElementC = void;
+  using ElementD = cutlass::bfloat16_t;
+  using StrideC = cute::Stride<int64_t, cute::Int<1>, int64_t>;
+  using StrideD = StrideC;
+  using Arguments = TwellPackOutput;
+  using Params = TwellPackOutput;
+  using ThreadEpilogueOp = void;  // GemmUniversalAdapter names it
+
   static constexpr int kRowsPerPass = 8;
   static constexpr int kMaxSlots = kTile / 2;
   static constexpr int kWords = kTile / 32;  // 32-bit words of a row's column mask
@@ -52,6 +59,19 @@ class TwellPackEpilogue : public OperatorEpilogueBase<TwellPackOutput> {
     alignas(16) TwellSlot slots[kMmaWarps][kRowsPerPass * kMaxSlots];
   };
 
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
+    return args;
+  }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
+    return 0;
+  }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
   template <class ProblemShape>
   static bool can_implement(ProblemShape const&, Arguments const& args) {
     return args.slots_per_tile >= 16 && args.slots_per_tile <= kMaxSlots && args.slots_per_tile % 4 == 0;
@@ -70,8 +90,11 @@ class TwellPackEpilogue : public OperatorEpilogueBase<TwellPackOutput> {
     using namespace cute;
     constexpr int kBlockN = size<1>(BlockShapeMNK{});
     static_assert(kBlockN % kTile == 0, "a CTA tile holds whole TwELL tiles");
-    using Acc = Sm90Accumulators<FrgLayout, kBlockN>;
-    constexpr int kMmaM = Acc::kMmaM;
+    // ((2 columns, 2 row halves, atom N / 8 column blocks), MMA_M, MMA_N)
+    static_assert(size<0, 0>(FrgLayout{}) == 2 && size<0, 1>(FrgLayout{}) == 2, "sm90 64xN accumulator layout");
+    constexpr int kAtomBlocks = size<0, 2>(FrgLayout{});
+    constexpr int kMmaM = size<1>(FrgLayout{});
+    static_assert(kAtomBlocks * 8 * size<2>(FrgLayout{}) == kBlockN, "accumulators cover the CTA tile's columns");
 
     const int lane = thread_idx % 32;
     const int quad_lane = lane % 4;
@@ -80,7 +103,7 @@ class TwellPackEpilogue : public OperatorEpilogueBase<TwellPackOutput> {
     const int slots = params_.slots_per_tile;
 
     auto value = [&](int mm, int half, int block, int col) -> float {
-      const float v = Acc::at(accumulators, mm, half, block, col);
+      const float v = accumulators(make_coord(make_coord(col, half, block % kAtomBlocks), mm, block / kAtomBlocks));
       return v > 0.f ? v : 0.f;
     };
     Tensor tile_coords = tiled_mma.get_thread_slice(thread_idx).partition_C(
