@@ -22,7 +22,9 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& error) {
-    return app.exit(error);
+    if (error.get_exit_code() == 0) return app.exit(error);  // --help
+    std::fprintf(stderr, "twell: error: %s (see --help)\n", error.what());
+    return 1;
   } catch (const std::exception& error) {
     std::fprintf(stderr, "twell: error: %s\n", error.what());
     return 1;
