@@ -48,6 +48,7 @@ void run_generate(const GenerateOptions& options) {
   TWELL_REQUIRE(options.new_tokens >= 0, "-n must be >= 0, got {}", options.new_tokens);
   cpu::set_num_threads(options.threads);
   const FfnPath path = parse_ffn_path(options.ffn);
+  Sampler sampler(SamplerConfig{options.temperature, options.top_k, options.top_p, options.seed});  // checks them
 
   const auto load_start = std::chrono::steady_clock::now();
   Model model = Model::load(options.model_dir);
@@ -102,7 +103,6 @@ void run_generate(const GenerateOptions& options) {
   std::fputs(options.prompt.c_str(), stdout);
   std::fflush(stdout);
   std::vector<float> logits(config.vocab_size);
-  Sampler sampler(SamplerConfig{options.temperature, options.top_k, options.top_p, options.seed});
 
   const auto prefill_start = std::chrono::steady_clock::now();
   forward(prompt.data(), static_cast<int32_t>(prompt.size()), logits.data());
