@@ -207,10 +207,10 @@ class DenseFfn {
 // in calls of their own, one after the other, close paths swapped places with the GPU's clock drift
 // (dense chosen over a 5% faster split at D = 4096).
 // The packer's counters come back asynchronously through a ring of kCounterSlots pinned slots: a call
-// reads the newest slot whose copy has finished, without waiting; only when the GPU is a whole ring
-// behind does a call wait for the oldest, so the density a call is keyed by is at most kCounterSlots
-// TwELL calls old even when the host runs far ahead (with one slot, a host that stays ahead never saw
-// a density change). Dense calls pack nothing: every FfnDensityBook::kDenseCallsPerProbe-th dense call
+// reads every slot whose copy has finished, oldest first, without waiting; only when the GPU is a
+// whole ring behind does a call wait for the oldest, so the density a call is keyed by is at most
+// kCounterSlots TwELL calls old even when the host runs far ahead (with one slot, a host that stays
+// ahead never saw a density change). Dense calls pack nothing: every FfnDensityBook::kDenseCallsPerProbe-th dense call
 // of an (M bucket, layer), and the first of a layer keyed by another's density, also packs
 // kProbeRows of its rows (from the middle of the batch), and a probe 2 density buckets off the call's
 // key makes a later call a plain TwELL recheck (without it, a layer whose input turned from 10% to
@@ -291,8 +291,8 @@ class SparseFfn {
     int32_t spill_used;
   };
   static constexpr int kCounterSlots = 4;
-  // Reads the newest finished slot (waits for the oldest only when all kCounterSlots are in flight
-  // and unread) into densities_, and grows the spill when that packing overflowed it.
+  // Reads the finished slots (waits for the oldest only when all kCounterSlots are in flight and
+  // unread) into densities_, and grows the spill when a packing overflowed it.
   void read_counters();
   // Copies the packing's counters into the next slot, described to densities_ as a call of `rows` on
   // `layer` (FfnDensityBook::Call: `hot` neurons ran densely; a probe of a call of probe_of_rows).

@@ -46,20 +46,20 @@ int64_t SparseFfn::scratch_bytes() const {
 }
 
 void SparseFfn::read_counters() {
-  const int64_t oldest_in_flight = std::max<int64_t>(newest_read_ + 1, twell_calls_ - kCounterSlots);
   if (twell_calls_ >= kCounterSlots && newest_read_ < twell_calls_ - kCounterSlots)
     TWELL_CUDA_CHECK(cudaEventSynchronize(counters_ready_[(twell_calls_ - kCounterSlots) % kCounterSlots]));
-  for (int64_t call = twell_calls_ - 1; call >= oldest_in_flight; --call) {
+  // Oldest first, every finished one: the slots hold different layers' calls and probes, and
+  // reading only the newest dropped the others' densities.
+  for (int64_t call = std::max<int64_t>(newest_read_ + 1, twell_calls_ - kCounterSlots); call < twell_calls_; ++call) {
     const int slot = static_cast<int>(call % kCounterSlots);
     const cudaError_t state = cudaEventQuery(counters_ready_[slot]);
-    if (state == cudaErrorNotReady) continue;
+    if (state == cudaErrorNotReady) return;
     TWELL_CUDA_CHECK(state);
     const Counters counters = counters_host_[slot];
     densities_->observe(slot, counters.nnz);
     if (counters.spill_used > packed_.spill_capacity && !packed_.empty())
       reserve(packed_, packed_.shape, counters.spill_used + counters.spill_used / 4);
     newest_read_ = call;
-    return;
   }
 }
 
