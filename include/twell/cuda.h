@@ -210,12 +210,12 @@ class DenseFfn {
 // reads every slot whose copy has finished, oldest first, without waiting; only when the GPU is a
 // whole ring behind does a call wait for the oldest, so the density a call is keyed by is at most
 // kCounterSlots TwELL calls old even when the host runs far ahead (with one slot, a host that stays
-// ahead never saw a density change). Dense calls pack nothing: every FfnDensityBook::kDenseCallsPerProbe-th dense call
-// of an (M bucket, layer), and the first of a layer keyed by another's density, also packs
-// kProbeRows of its rows (from the middle of the batch), and a probe 2 density buckets off the call's
-// key makes a later call a plain TwELL recheck (without it, a layer whose input turned from 10% to
-// 0.5% stayed dense, 0.99x where a split ran 1.63x). The spill grows (for the next call) when a
-// packing overflowed it.
+// ahead never saw a density change). Dense calls pack nothing: every
+// FfnDensityBook::kDenseCallsPerProbe-th dense call of an (M bucket, layer), and the first of a layer
+// keyed by another's density, also packs kProbeRows of its rows (from the middle of the batch), and a
+// probe 2 density buckets off the call's key makes a later call a plain TwELL recheck (without it, a
+// layer whose input turned from 10% to 0.5% stayed dense, 0.99x where a split ran 1.63x). The spill
+// grows (for the next call) when a packing overflowed it.
 //
 // Split paths (hot_fractions): the neurons [0, f·H) (rounded to whole TwELL tiles) run through
 // DenseFfn and the rest through TwELL, which adds its part into y. A path of its own per fraction,

@@ -49,8 +49,9 @@ void SparseFfn::read_counters() {
   if (twell_calls_ >= kCounterSlots && newest_read_ < twell_calls_ - kCounterSlots)
     TWELL_CUDA_CHECK(cudaEventSynchronize(counters_ready_[(twell_calls_ - kCounterSlots) % kCounterSlots]));
   // Oldest first, every finished one: the slots hold different layers' calls and probes, and
-  // reading only the newest dropped the others' densities.
-  for (int64_t call = std::max<int64_t>(newest_read_ + 1, twell_calls_ - kCounterSlots); call < twell_calls_; ++call) {
+  // reading only the newest dropped the others' densities. Every issue comes after a read, so no
+  // unread call's slot has been reused.
+  for (int64_t call = newest_read_ + 1; call < twell_calls_; ++call) {
     const int slot = static_cast<int>(call % kCounterSlots);
     const cudaError_t state = cudaEventQuery(counters_ready_[slot]);
     if (state == cudaErrorNotReady) return;
