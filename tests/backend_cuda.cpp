@@ -345,7 +345,7 @@ TEST_F(CudaFfn, DispatchingFfnIsRightOnEveryPath) {
 }
 
 // One layer run many times, M, the predictor and the gate selection changing from call to call (so
-// the fused kernel and the given-gates kernel take turns on the layer's call numbering), into fresh
+// the fused, the given-gates and the streamed-gates kernels take turns on the layer's call numbering), into fresh
 // NaN-poisoned outputs, every neuron predicted: each call's y is that call's exact FFN (a kernel
 // zeroes y itself, once per call, before any block adds to it).
 TEST_F(CudaFfn, DecodeLayerCallsInARowEachMatchTheReference) {
@@ -358,9 +358,12 @@ TEST_F(CudaFfn, DecodeLayerCallsInARowEachMatchTheReference) {
   for (int64_t rows : {1, 16, 3, 9, 1, 16})
     for (PredictorKind kind : {PredictorKind::sign_rule, PredictorKind::one_bit_gate,
                                PredictorKind::normalized_one_bit_gate, PredictorKind::two_bit_gate}) {
-      const GateSelection gates = call % 3 == 0 ? GateSelection::all_neurons : GateSelection::predicted;
+      const GateSelection gates = call % 3 != 2 ? GateSelection::all_neurons : GateSelection::predicted;
+      const AllGatesKernel kernel = call % 3 == 0 ? AllGatesKernel::product : AllGatesKernel::streamed;
       SCOPED_TRACE(testing::Message() << "call " << call << ", M = " << rows << ", " << to_string(kind)
-                                      << (gates == GateSelection::all_neurons ? ", every gate" : ""));
+                                      << (gates == GateSelection::all_neurons
+                                              ? (kernel == AllGatesKernel::product ? ", every gate" : ", every gate streamed")
+                                              : ""));
       const float* x = work.x.data() + (call++ % (kDecodeMaxRows + 1 - rows)) * spec.d_model;
       const size_t count = static_cast<size_t>(rows) * spec.d_model;
       const std::vector<double> expected = ref::ffn_dense(x, rows, work.weights);
@@ -369,7 +372,8 @@ TEST_F(CudaFfn, DecodeLayerCallsInARowEachMatchTheReference) {
       test::poison(y, count);
       const cuda::DeviceArray<float> device_y = cuda::make_device_array<float>(count);
       cuda::copy_to_device(device_y.get(), y.data(), count * sizeof(float));
-      layer.run(device_x.get(), rows, PredictorConfig{kind, 1e30, 1e30}, device_y.get(), nullptr, {.gates = gates});
+      layer.run(device_x.get(), rows, PredictorConfig{kind, 1e30, 1e30}, device_y.get(), nullptr,
+                {.gates = gates, .all_gates_kernel = kernel});
       cuda::copy_to_host(y.data(), device_y.get(), count * sizeof(float));
       EXPECT_TRUE(test::near_relative_l2("y", y.data(), expected.data(), count, 2e-5));
     }

@@ -115,9 +115,9 @@ TEST_P(DecodeTest, NothingSkippedEqualsDenseFfn) {
 }
 
 // GateSelection: all_neurons computes every gate whatever the predictor says (here one that keeps
-// nothing), so the output is the exact FFN; automatic takes that path exactly where the backend's rule
-// says so (by M, or by the calibrated predicted_fraction), and the predictor's otherwise (which here
-// drops everything).
+// nothing), so the output is the exact FFN, by either AllGatesKernel (CUDA; the CPU has one way);
+// automatic takes that path exactly where the backend's rule says so (by M, or by the calibrated
+// predicted_fraction), and the predictor's otherwise (which here drops everything).
 TEST_P(DecodeTest, AllGatesEqualsDenseFfnWhateverThePredictor) {
   const std::vector<double> expected = ref::ffn_dense(work_.x.data(), rows(), work_.weights);
   const int64_t active = reference_active_count();
@@ -126,15 +126,19 @@ TEST_P(DecodeTest, AllGatesEqualsDenseFfnWhateverThePredictor) {
   const AllGatesRule& rule = backend().decode_all_gates;
   const bool all_by_rows = rows() >= rule.min_rows;
   PredictorConfig keeps_nothing{PredictorKind::one_bit_gate, 1.0, -kHugeSetting};
-  for (auto [gates, fraction, all] : {std::tuple{GateSelection::all_neurons, 0.0, true},
-                                      std::tuple{GateSelection::automatic, 1.0, true},
-                                      std::tuple{GateSelection::automatic, 0.0, all_by_rows},
-                                      std::tuple{GateSelection::predicted, 1.0, false}}) {
-    SCOPED_TRACE(testing::Message() << "gates " << static_cast<int>(gates) << ", predicted_fraction " << fraction);
+  for (auto [gates, fraction, all, kernel] :
+       {std::tuple{GateSelection::all_neurons, 0.0, true, AllGatesKernel::product},
+        std::tuple{GateSelection::all_neurons, 0.0, true, AllGatesKernel::streamed},
+        std::tuple{GateSelection::automatic, 1.0, true, AllGatesKernel::streamed},
+        std::tuple{GateSelection::automatic, 0.0, all_by_rows, AllGatesKernel::product},
+        std::tuple{GateSelection::predicted, 1.0, false, AllGatesKernel::streamed}}) {
+    SCOPED_TRACE(testing::Message() << "gates " << static_cast<int>(gates) << ", predicted_fraction " << fraction
+                                    << ", kernel " << static_cast<int>(kernel));
     keeps_nothing.predicted_fraction = fraction;
     ASSERT_EQ(computes_all_gates({.gates = gates}, keeps_nothing, rows(), rule), all);
     std::vector<float> y;
-    const DecodeStats stats = decode(keeps_nothing, y, {.count_missed = true, .gates = gates});
+    const DecodeStats stats =
+        decode(keeps_nothing, y, {.count_missed = true, .gates = gates, .all_gates_kernel = kernel});
     if (all) {
       EXPECT_TRUE(test::near_relative_l2("y", y.data(), expected.data(), expected.size(), kFp32Tolerance));
       EXPECT_EQ(stats.predicted, pairs);
@@ -177,13 +181,16 @@ TEST_P(DecodeTest, AccumulateAddsTheFfnToY) {
   const std::vector<float> residual = make_normal(output_count(), 1.0, work_.spec.seed + 99);
   std::vector<double> expected(ffn.size());
   for (size_t i = 0; i < ffn.size(); ++i) expected[i] = ffn[i] + residual[i];
-  for (GateSelection gates : {GateSelection::predicted, GateSelection::all_neurons})
+  for (auto [gates, kernel] : {std::pair{GateSelection::predicted, AllGatesKernel::product},
+                               std::pair{GateSelection::all_neurons, AllGatesKernel::product},
+                               std::pair{GateSelection::all_neurons, AllGatesKernel::streamed}})
     for (PredictorConfig predictor : {PredictorConfig{PredictorKind::sign_rule, kHugeSetting, 0.0},
                                       PredictorConfig{PredictorKind::two_bit_gate, 1.0, kHugeSetting}}) {
-      SCOPED_TRACE(testing::Message() << to_string(predictor.kind) << ", gates " << static_cast<int>(gates));
+      SCOPED_TRACE(testing::Message() << to_string(predictor.kind) << ", gates " << static_cast<int>(gates)
+                                      << ", kernel " << static_cast<int>(kernel));
       std::vector<float> y = residual;
       backend().decode_ffn(work_.x.data(), rows(), work_.weights, signs_, predictor, y.data(),
-                           {.accumulate = true, .gates = gates});
+                           {.accumulate = true, .gates = gates, .all_gates_kernel = kernel});
       EXPECT_TRUE(test::near_relative_l2("y", y.data(), expected.data(), expected.size(), kFp32Tolerance));
     }
 }

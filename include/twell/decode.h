@@ -123,6 +123,15 @@ inline constexpr AllGatesRule kCpuAllGates{kDecodeMaxRows + 1, 0.75};
 inline constexpr AllGatesRule kCudaAllGates{4, 0.5};
 bool gates_all_neurons(const PredictorConfig& predictor, int64_t rows, const AllGatesRule& rule);
 
+// CUDA, every gate: how the gates are computed (the CPU has one way, a blocked product).
+enum class AllGatesKernel {
+  product,   // decode_gemv (M = 1) or cuBLASLt writes the gates [M, H]; a second kernel does the active pairs
+  streamed,  // one kernel: each block copies its 16 neurons' gate rows into shared memory (from before the
+             // previous kernel ends), computes their gates for every token on the tensor cores and goes
+             // straight on to its active pairs. Only where every block of the call is resident at once
+             // (the rows must fit: D = 2048 does, three blocks an SM); elsewhere the product runs.
+};
+
 struct DecodeOptions {
   // Also compute the exact gate of every neuron predicted zero, to count `missed` (diagnostics and
   // calibration only: it reads all of W and throws the speed away; the output is unchanged).
@@ -131,6 +140,7 @@ struct DecodeOptions {
   // stream (no zeroing, no separate residual add).
   bool accumulate = false;
   GateSelection gates = GateSelection::automatic;
+  AllGatesKernel all_gates_kernel = AllGatesKernel::product;
 };
 
 // Whether a call computes every gate: gates = all_neurons, or automatic where gates_all_neurons.

@@ -11,7 +11,9 @@
 // the others wait for it before their first atomic. When every gate is computed
 // (DecodeOptions::gates) there is nothing to score: the gates of all M tokens as a plain product
 // (decode_gemv at M = 1, cuBLASLt above) into the layer's own buffer, then a kernel that computes
-// up and down for the active pairs only (y zeroed by a memset before). With
+// up and down for the active pairs only (y zeroed by a memset before); or, with
+// AllGatesKernel::streamed where every block fits on the GPU at once, one kernel whose blocks copy their
+// 16 gate rows into shared memory while the previous kernel ends and then do their own pairs. With
 // DecodeOptions::accumulate, y is added to as it is. Nothing allocates and nothing waits on the
 // host, so run() can be captured in a CUDA graph; the kernels are programmatic dependent launches
 // (they start while the stream's previous kernel ends). The sum order of y depends on timing:

@@ -31,7 +31,9 @@
 // buffer, streaming all of the projection near the copy rate, and given_gates_kernel does steps 3-4
 // from them (y zeroed by a memset first). The fused kernel with every pair predicted was slower at
 // every M (H200, M = 16: 23.5 us against 13.2; its 16-token dot products re-read x from the L2 for
-// every round of rows).
+// every round of rows). AllGatesKernel::streamed does it in one kernel instead (streamed_gates_kernel):
+// each block's 16 gate rows all in flight into shared memory from before the programmatic wait, the
+// gates on the tensor cores, then the pairs as given_gates_kernel does them.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -659,43 +661,35 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) decode_ffn_kernel(D
   }
 }
 
-// Steps 3-4 when every gate is given (p.gates [M, H], computed just before): one block per tile of 16
-// neurons lists its active (token, neuron) pairs and works through them kPairBatch at a time, thread v
-// owning the 16-byte pieces v, v + kThreads, ... of every row: the pieces of x[m], up[j] and down[j] of
-// the whole batch are loaded at once (down does not depend on u), so a batch costs one round trip;
-// u's partial sums meet in shared memory; y[m] += g·u·down[j] by vector atomics. Only the x rows of
-// active pairs are read (the fused kernel's 16-token products read all of x for every round of rows).
-// y is zeroed by the caller (a memset) unless the call accumulates: no tickets, no waiting for a
-// zeroing block. The fused kernel's way (the first block zeroes, the others spin on a counter beside
-// the tickets) cost 1.9 us here at M = 16 on the H200 (15.1 -> 13.2 us a call), 0.2 at M = 4; the
-// memset node costs 0.9 us at M = 1 (8.8 -> 9.7), where only the sign rule takes every gate.
+// Steps 3-4 when every gate is known, for one tile of 16 neurons: its active (token, neuron) pairs
+// are listed, then worked through kPairBatch at a time, thread v owning the 16-byte pieces v,
+// v + kThreads, ... of every row: the pieces of x[m], up[j] and down[j] of the whole batch are loaded
+// at once (down does not depend on u), so a batch costs one round trip; u's partial sums meet in
+// shared memory; y[m] += g·u·down[j] by vector atomics. Only the x rows of active pairs are read (the
+// fused kernel's 16-token products read all of x for every round of rows).
 constexpr int kPairBatch = 4;
 static_assert(kTileNeurons * kDecodeMaxRows <= kThreads, "one thread per (token, neuron) of a tile lists the pairs");
 
-template <bool kGated>
-__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) given_gates_kernel(DecodeParams p) {
-  __shared__ uint32_t pair_token_neuron[kTileNeurons * kDecodeMaxRows];  // token << 16 | neuron of the tile
-  __shared__ float pair_gate[kTileNeurons * kDecodeMaxRows];
-  __shared__ float partial_dots[kParts][kPairBatch];
-  __shared__ unsigned int pair_count;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int first_neuron = blockIdx.x * kTileNeurons;
-  if (threadIdx.x == 0) pair_count = 0u;
-  wait_for_previous_grid();
-  allow_dependent_grids();  // the next kernel reads only its own constants before it waits
-  __syncthreads();
+struct PairList {
+  uint32_t token_neuron[kTileNeurons * kDecodeMaxRows];  // token << 16 | neuron of the tile
+  float gate[kTileNeurons * kDecodeMaxRows];
+  float partial_dots[kParts][kPairBatch];
+  unsigned int count;
+};
 
-  const int own_neuron = threadIdx.x % kTileNeurons, own_token = threadIdx.x / kTileNeurons;
-  if (own_token < p.rows && first_neuron + own_neuron < p.hidden) {
-    const float g = p.gates[static_cast<int64_t>(own_token) * p.hidden + first_neuron + own_neuron];
-    if (g > 0.0f) {
-      const unsigned int at = atomicAdd(&pair_count, 1u);
-      pair_token_neuron[at] = static_cast<uint32_t>(own_token) << 16 | static_cast<uint32_t>(own_neuron);
-      pair_gate[at] = g;
-    }
+// Adds the calling thread's (token, neuron) pair to the list when its gate g is positive.
+__device__ __forceinline__ void list_pair(PairList& list, int token, int neuron, float g) {
+  if (g > 0.0f) {
+    const unsigned int at = atomicAdd(&list.count, 1u);
+    list.token_neuron[at] = static_cast<uint32_t>(token) << 16 | static_cast<uint32_t>(neuron);
+    list.gate[at] = g;
   }
-  __syncthreads();
-  const int count = static_cast<int>(pair_count);
+}
+
+template <bool kGated>
+__device__ __forceinline__ void add_listed_pairs(const DecodeParams& p, int first_neuron, PairList& list) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int count = static_cast<int>(list.count);
   const int pieces = p.cols / kChunk;
   for (int first = 0; first < count; first += kPairBatch) {
     const int batch = min(kPairBatch, count - first);
@@ -705,13 +699,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) given_gates_kernel(
     float coefficient[kPairBatch];
 #pragma unroll
     for (int b = 0; b < kPairBatch; ++b) {
-      const uint32_t pair = pair_token_neuron[first + min(b, batch - 1)];
+      const uint32_t pair = list.token_neuron[first + min(b, batch - 1)];
       const int64_t m = pair >> 16, j = first_neuron + (pair & 0xffffu);
       x_row[b] = reinterpret_cast<const uint4*>(p.x + m * p.cols);
       up_row[b] = kGated ? reinterpret_cast<const uint4*>(p.up + j * p.cols) : nullptr;
       down_row[b] = reinterpret_cast<const uint4*>(p.down + j * p.cols);
       y_row[b] = p.y + m * p.cols;
-      coefficient[b] = pair_gate[first + min(b, batch - 1)];
+      coefficient[b] = list.gate[first + min(b, batch - 1)];
     }
     // This thread's first piece of every down row comes with the up product's loads.
     uint4 first_down[kPairBatch];
@@ -735,14 +729,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) given_gates_kernel(
 #pragma unroll
       for (int b = 0; b < kPairBatch; ++b) {
         const float sum = warp_sum(dots[b]);
-        if (lane == 0) partial_dots[warp][b] = sum;
+        if (lane == 0) list.partial_dots[warp][b] = sum;
       }
       __syncthreads();
 #pragma unroll
       for (int b = 0; b < kPairBatch; ++b) {
         float u = 0.0f;
 #pragma unroll
-        for (int part = 0; part < kParts; ++part) u += partial_dots[part][b];
+        for (int part = 0; part < kParts; ++part) u += list.partial_dots[part][b];
         coefficient[b] *= u;  // non-gated: relu(x·up[j]) is the gate itself
       }
       __syncthreads();  // partial_dots is the next batch's
@@ -767,6 +761,143 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) given_gates_kernel(
   }
 }
 
+// Every gate given (p.gates [M, H], computed just before by decode_gemv or cuBLASLt): steps 3-4 above.
+// y is zeroed by the caller (a memset) unless the call accumulates: no tickets, no waiting for a
+// zeroing block. The fused kernel's way (the first block zeroes, the others spin on a counter beside
+// the tickets) cost 1.9 us here at M = 16 on the H200 (15.1 -> 13.2 us a call), 0.2 at M = 4; the
+// memset node costs 0.9 us at M = 1 (8.8 -> 9.7), where only the sign rule takes every gate.
+template <bool kGated>
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) given_gates_kernel(DecodeParams p) {
+  __shared__ PairList list;
+  const int first_neuron = blockIdx.x * kTileNeurons;
+  if (threadIdx.x == 0) list.count = 0u;
+  wait_for_previous_grid();
+  allow_dependent_grids();  // the next kernel reads only its own constants before it waits
+  __syncthreads();
+  const int own_neuron = threadIdx.x % kTileNeurons, own_token = threadIdx.x / kTileNeurons;
+  if (own_token < p.rows && first_neuron + own_neuron < p.hidden)
+    list_pair(list, own_token, own_neuron, p.gates[static_cast<int64_t>(own_token) * p.hidden + first_neuron + own_neuron]);
+  __syncthreads();
+  add_listed_pairs<kGated>(p, first_neuron, list);
+}
+
+// Bytes of one gate row in a streamed-gates block's shared memory: every word's 4 pieces (zeros past
+// D), then padding that makes the row stride an odd multiple of 64 bytes, so that the 8 lanes of a
+// quarter warp (rows g and g + 1, quads 0-3) read their 16-byte pieces from 8 distinct bank groups.
+__host__ __device__ constexpr int32_t streamed_row_stride(int32_t words) {
+  return (words * kPiecesPerWord + (words % 2 == 0 ? 4 : 0)) * 16;
+}
+// The block's dynamic shared memory: its 16 gate rows, later the warps' partial gates.
+int32_t streamed_shared_bytes(int32_t words, int tokens) {
+  return std::max(kTileNeurons * streamed_row_stride(words), kParts * kTileNeurons * tokens * 4);
+}
+
+// Every gate in one kernel (AllGatesKernel::streamed), one block per tile of 16 neurons, every block
+// of the call resident at once:
+//   - the tile's gate rows are copied into shared memory (cp.async, all in flight) before the
+//     programmatic wait, so the projection streams while the stream's previous kernel ends;
+//   - each warp computes the gates of its words (D split as in the fused kernel) for every token on
+//     the tensor cores: mma.m16n8k16 with A = the 16 rows (row g and g + 8 of a lane's quad pieces, the
+//     k order of the fused kernel's sign planes, so x loads as there) and B = x; partial sums meet in
+//     shared memory;
+//   - the tile's positive gates become its pair list, worked through as given_gates_kernel does.
+// y is zeroed by the call's first block (a ticket) while the rows arrive; the others wait for it
+// only before their first atomic, by when the whole projection has streamed.
+template <int kTokenTiles, bool kGated>
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) streamed_gates_kernel(DecodeParams p) {
+  constexpr int kTokens = kTokenTiles * kTokenTile;
+  constexpr int kBatch = word_batch(PredictorKind::one_bit_gate, kTokenTiles);
+  extern __shared__ __align__(16) unsigned char shared[];
+  __shared__ PairList list;
+  __shared__ unsigned long long call;
+  __shared__ bool zeroes_y;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane >> 2, quad = lane & 3;
+  const int first_neuron = blockIdx.x * kTileNeurons;
+  const int first_word = warp * p.words_per_part, end_word = min(p.words, first_word + p.words_per_part);
+  const int pieces = p.cols / kChunk, row_pieces = p.words * kPiecesPerWord;
+  const int32_t row_stride = streamed_row_stride(p.words);
+
+  unsigned long long ticket = 0;
+  if (threadIdx.x == 0) ticket = atomicAdd(&p.sync->started, 1ull);
+  for (int i = threadIdx.x; i < kTileNeurons * row_pieces; i += kThreads) {
+    const int n = i / row_pieces, piece = i % row_pieces;
+    const bool inside = first_neuron + n < p.hidden && piece < pieces;
+    const bf16* source = p.projection + (inside ? static_cast<int64_t>(first_neuron + n) * p.cols + piece * kChunk : 0);
+    copy_16_async(shared + n * row_stride + piece * 16, source, inside);
+  }
+  commit_copies();
+  if (threadIdx.x == 0) {
+    list.count = 0u;
+    call = ticket / gridDim.x;
+    zeroes_y = !p.accumulate && ticket % gridDim.x == 0;
+  }
+  wait_for_previous_grid();  // x and y belong to the stream's order from here on
+  uint4 x[kBatch][kTokenTiles];
+  load_x_words(p, first_word, end_word, group, quad, x);
+  wait_all_copies();
+  __syncthreads();
+  allow_dependent_grids();  // every block has its ticket
+  if (zeroes_y) {
+    float4* y = reinterpret_cast<float4*>(p.y);
+    for (int i = threadIdx.x; i < p.rows * p.cols / 4; i += kThreads) y[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
+
+  // At one token tile, two chains of dependent mma (one per mma step), as score_part.
+  constexpr int kChains = kTokenTiles == 1 ? 2 : 1;
+  float acc[kChains][kTokenTiles][4] = {};
+  const unsigned char* row_low = shared + group * row_stride + quad * 16;  // rows g and g + 8
+  const unsigned char* row_high = row_low + 8 * row_stride;
+  for (int w0 = first_word; w0 < end_word; w0 += kBatch) {
+    if (w0 != first_word) load_x_words(p, w0, end_word, group, quad, x);
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int w = w0 + b;
+      if (w >= end_word) break;
+      const uint4 low = *reinterpret_cast<const uint4*>(row_low + w * kPiecesPerWord * 16);
+      const uint4 high = *reinterpret_cast<const uint4*>(row_high + w * kPiecesPerWord * 16);
+#pragma unroll
+      for (int step = 0; step < 2; ++step) {
+        const uint32_t a[4] = {word_of(low, 2 * step), word_of(high, 2 * step), word_of(low, 2 * step + 1),
+                               word_of(high, 2 * step + 1)};
+#pragma unroll
+        for (int tile = 0; tile < kTokenTiles; ++tile)
+          mma_bf16(acc[step % kChains][tile], a, word_of(x[b][tile], 2 * step), word_of(x[b][tile], 2 * step + 1));
+      }
+    }
+  }
+  __syncthreads();  // the rows are read: their space takes the partial gates [part][neuron][token]
+  float* partial = reinterpret_cast<float*>(shared);
+  // C fragment: acc[0..1] = neuron group, tokens quad*2 + {0, 1}; acc[2..3] = neuron group + 8.
+#pragma unroll
+  for (int tile = 0; tile < kTokenTiles; ++tile)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int neuron = group + (i >= 2 ? 8 : 0), token = kTokenTile * tile + quad * 2 + (i & 1);
+      float sum = 0.0f;
+#pragma unroll
+      for (int chain = 0; chain < kChains; ++chain) sum += acc[chain][tile][i];
+      partial[(warp * kTileNeurons + neuron) * kTokens + token] = sum;
+    }
+  __syncthreads();
+  if (zeroes_y && threadIdx.x == 0) {  // every thread's zeroing is behind the barrier above
+    __threadfence();
+    store_release(&p.sync->zeroed, call + 1);
+  }
+  const int own_neuron = threadIdx.x % kTileNeurons, own_token = threadIdx.x / kTileNeurons;
+  if (own_token < p.rows && first_neuron + own_neuron < p.hidden) {
+    float g = 0.0f;
+#pragma unroll
+    for (int part = 0; part < kParts; ++part) g += partial[(part * kTileNeurons + own_neuron) * kTokens + own_token];
+    list_pair(list, own_token, own_neuron, g);
+  }
+  if (threadIdx.x == 0 && !p.accumulate) {
+    unsigned long long zeroed = load_acquire(&p.sync->zeroed);
+    while (zeroed <= call) zeroed = load_acquire(&p.sync->zeroed);
+  }
+  __syncthreads();
+  add_listed_pairs<kGated>(p, first_neuron, list);
+}
+
 // A programmatic launch (PDL): the kernel may start while the stream's previous kernel finishes, and
 // waits for it (griddepcontrol.wait) only before it touches x and y. Measured on the H200 (bench
 // decode, graph of 20 calls): 1.0 us off M = 1 (10.6 -> 9.5 us, two-bit-norm), 0.7-1.2 us off M = 4
@@ -788,6 +919,20 @@ void allow_shared(size_t shared) {
                                         static_cast<int>(shared)));
   TWELL_CUDA_CHECK(cudaFuncSetAttribute(decode_ffn_kernel<kKind, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(shared)));
+}
+
+// Whether the streamed-gates kernel of `token_tiles` can run `tiles` blocks all resident at once on
+// this GPU (it then sets the kernel's shared-memory limit); the blocks per SM come from the occupancy
+// calculator, never from a table.
+template <bool kGated>
+bool prepare_streamed_gates(int token_tiles, int32_t words, int tiles) {
+  auto kernel = token_tiles == 1 ? streamed_gates_kernel<1, kGated> : streamed_gates_kernel<2, kGated>;
+  const int shared = streamed_shared_bytes(words, token_tiles * kTokenTile);
+  if (shared > device_facts().max_smem_per_block_optin) return false;
+  TWELL_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared));
+  int per_sm = 0;
+  TWELL_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, shared));
+  return static_cast<int64_t>(per_sm) * device_facts().sm_count >= tiles;
 }
 
 // The layout for `planes` planes and `tokens` tokens per token tile set, D split in words_per_part
@@ -840,6 +985,7 @@ struct DecodeLayer::Impl {
   // A small workspace: this GEMM's M is at most 16, and a model holds one per layer.
   mutable RowMajorGemm gemm{kGatesGemmWorkspace};
   DeviceBuffer<float> gates;  // [kDecodeMaxRows, H]
+  bool streamed_fits[2] = {};  // by token tiles − 1: every block of a streamed-gates call resident at once
 };
 
 DecodeLayer::DecodeLayer(const DeviceFfnWeights& weights, const SignBits& signs) : impl_(std::make_unique<Impl>()) {
@@ -894,6 +1040,9 @@ DecodeLayer::DecodeLayer(const DeviceFfnWeights& weights, const SignBits& signs)
   allow_shared<PredictorKind::normalized_one_bit_gate>(shared);
   allow_shared<PredictorKind::two_bit_gate>(shared);
   s.gates.resize(static_cast<size_t>(kDecodeMaxRows) * h);
+  for (int token_tiles : {1, 2})
+    s.streamed_fits[token_tiles - 1] = weights.gated ? prepare_streamed_gates<true>(token_tiles, s.words, s.tiles)
+                                                     : prepare_streamed_gates<false>(token_tiles, s.words, s.tiles);
   TWELL_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
@@ -938,6 +1087,14 @@ void DecodeLayer::run(const bf16* x, int64_t rows, const PredictorConfig& predic
   impl_->all_counted_missed = impl_->all_counted_missed && options.count_missed;
 
   if (computes_all_gates(options, predictor, rows, kCudaAllGates)) {
+    const int token_tiles = rows > kTokenTile ? 2 : 1;
+    if (options.all_gates_kernel == AllGatesKernel::streamed && s.streamed_fits[token_tiles - 1]) {
+      auto kernel = token_tiles == 1 ? (w.gated ? streamed_gates_kernel<1, true> : streamed_gates_kernel<1, false>)
+                                     : (w.gated ? streamed_gates_kernel<2, true> : streamed_gates_kernel<2, false>);
+      launch_programmatic(kernel, dim3(s.tiles), dim3(kThreads),
+                          static_cast<size_t>(streamed_shared_bytes(s.words, token_tiles * kTokenTile)), stream, p);
+      return;
+    }
     // gates [M, H] = x [M, D] · projectionᵀ: decode_gemv for one row, cuBLASLt for more (H200, the
     // whole call: 12.4 against 13.8 us at M = 1, 14.3 against 19.4 at M = 4; docs/perf-notes.md).
     if (rows == 1 && decode_gemv_supports(1, w.d_model))

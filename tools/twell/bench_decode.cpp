@@ -312,12 +312,15 @@ std::vector<Impl> cuda_impls(CudaState& s, const std::vector<std::vector<float>>
     impl.graph_ms_per_call = graph_timer(run, sets, reps);
     impls.push_back(std::move(impl));
   }
-  {
-    auto run = [&s, rows, &predictors](int i, cudaStream_t stream) {
+  // Every gate by a product then the pairs ("all-gates"), and in one kernel ("all-gates-streamed", which
+  // runs the product where its blocks do not all fit on the GPU at once).
+  for (AllGatesKernel kernel : {AllGatesKernel::product, AllGatesKernel::streamed}) {
+    auto run = [&s, rows, &predictors, kernel](int i, cudaStream_t stream) {
       s.layers[s.take_copy()]->run(s.inputs[i].get(), rows, predictors.front(), s.y_float.get(), stream,
-                                   {.gates = GateSelection::all_neurons});
+                                   {.gates = GateSelection::all_neurons, .all_gates_kernel = kernel});
     };
-    Impl impl{"all-gates", [&s, run](int i) { s.last_float = true; run(i, nullptr); }, output};
+    Impl impl{kernel == AllGatesKernel::product ? "all-gates" : "all-gates-streamed",
+              [&s, run](int i) { s.last_float = true; run(i, nullptr); }, output};
     impl.graph_ms_per_call = graph_timer(run, sets, reps);
     impls.push_back(std::move(impl));
   }
