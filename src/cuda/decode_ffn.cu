@@ -219,6 +219,35 @@ __device__ __forceinline__ void load_x_words(const DecodeParams& p, int w0, int 
   }
 }
 
+// body(b, w) for each of this warp's words w in [first_word, end_word), with w's piece of x in x[b]:
+// x is loaded a batch of words at a time, the first batch being in x on entry.
+template <int kBatch, int kTokenTiles, typename Body>
+__device__ __forceinline__ void for_each_word(const DecodeParams& p, int first_word, int end_word, int group, int quad,
+                                              uint4 (&x)[kBatch][kTokenTiles], Body body) {
+  for (int w0 = first_word; w0 < end_word; w0 += kBatch) {
+    if (w0 != first_word) load_x_words(p, w0, end_word, group, quad, x);
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      if (w0 + b >= end_word) break;
+      body(b, w0 + b);
+    }
+  }
+}
+
+// Writes a warp's [16 neurons, tokens] accumulators as out[neuron][token]: value(tile, i) is C register
+// i of token tile `tile` (C fragment: registers 0-1 = neuron group, tokens quad·2 + {0, 1}; 2-3 =
+// neuron group + 8).
+template <int kTokenTiles, typename Value>
+__device__ __forceinline__ void store_tile_sums(float* out, int group, int quad, Value value) {
+#pragma unroll
+  for (int tile = 0; tile < kTokenTiles; ++tile)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int neuron = group + (i >= 2 ? 8 : 0), token = kTokenTile * tile + quad * 2 + (i & 1);
+      out[neuron * kTokenTiles * kTokenTile + token] = value(tile, i);
+    }
+}
+
 // Step 1 for one warp: the tile's planes over this warp's words against every token. Writes
 // partial[part][plane][neuron][token] and, for the normalized gates, the partial Σ x² of each token
 // (every column) to squares[part][token]. `x` holds the first batch of words on entry.
@@ -230,7 +259,6 @@ __device__ __forceinline__ void score_part(const DecodeParams& p, const uint32_t
   constexpr bool kSignRule = kKind == PredictorKind::sign_rule;
   constexpr bool kNormalized = is_normalized(kKind);
   constexpr int kTokens = kTokenTiles * kTokenTile;
-  constexpr int kBatch = word_batch(kKind, kTokenTiles);
   const int group = lane >> 2, quad = lane & 3;
   const int pieces = p.cols / kChunk;
   // At one token tile, one accumulator set per mma step: two chains of dependent mma instead of one
@@ -238,68 +266,59 @@ __device__ __forceinline__ void score_part(const DecodeParams& p, const uint32_t
   constexpr int kChains = kTokenTiles == 1 ? 2 : 1;
   float acc[kChains][kTokenTiles][kPlanes][4] = {};
   float gram[kTokenTiles][4] = {};
-  for (int w0 = first_word; w0 < end_word; w0 += kBatch) {
-    if (w0 != first_word) load_x_words(p, w0, end_word, group, quad, x);
+  for_each_word(p, first_word, end_word, group, quad, x, [&](int b, int w) {
+    const uint32_t bits = lane_bits(planes, w, group, quad);
+    const uint32_t large = kPlanes == 2 ? lane_bits(planes + p.words * 16, w, group, quad) : 0u;
+    uint32_t operand[kTokenTiles][4];
 #pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      const int w = w0 + b;
-      if (w >= end_word) break;
-      const uint32_t bits = lane_bits(planes, w, group, quad);
-      const uint32_t large = kPlanes == 2 ? lane_bits(planes + p.words * 16, w, group, quad) : 0u;
-      uint32_t operand[kTokenTiles][4];
+    for (int tile = 0; tile < kTokenTiles; ++tile) {
+      const bool used = group + kTokenTile * tile < p.rows && w * kPiecesPerWord + quad < pieces;
 #pragma unroll
-      for (int tile = 0; tile < kTokenTiles; ++tile) {
-        const bool used = group + kTokenTile * tile < p.rows && w * kPiecesPerWord + quad < pieces;
+      for (int i = 0; i < 4; ++i)
+        operand[tile][i] = kSignRule ? (used ? x_sign_pair(word_of(x[b][tile], i)) : 0u) : word_of(x[b][tile], i);
+    }
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
-          operand[tile][i] = kSignRule ? (used ? x_sign_pair(word_of(x[b][tile], i)) : 0u) : word_of(x[b][tile], i);
-      }
+    for (int step = 0; step < 2; ++step) {
+      uint32_t a[4];
 #pragma unroll
-      for (int step = 0; step < 2; ++step) {
-        uint32_t a[4];
+      for (int i = 0; i < 4; ++i) a[i] = sign_pair(bits << (7 - (4 * step + i)));
 #pragma unroll
-        for (int i = 0; i < 4; ++i) a[i] = sign_pair(bits << (7 - (4 * step + i)));
+      for (int tile = 0; tile < kTokenTiles; ++tile)
+        mma_bf16(acc[step % kChains][tile][0], a, operand[tile][2 * step], operand[tile][2 * step + 1]);
+      if (kPlanes == 2) {
+        uint32_t a_large[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) a_large[i] = a[i] & half_masks(large << (7 - (4 * step + i)));
 #pragma unroll
         for (int tile = 0; tile < kTokenTiles; ++tile)
-          mma_bf16(acc[step % kChains][tile][0], a, operand[tile][2 * step], operand[tile][2 * step + 1]);
-        if (kPlanes == 2) {
-          uint32_t a_large[4];
+          mma_bf16(acc[step % kChains][tile][kPlanes - 1], a_large, operand[tile][2 * step],
+                   operand[tile][2 * step + 1]);
+      }
+      if (kNormalized) {
+        // A = x [16 tokens, k]: rows group and group + 8.
+        const uint4 second = kTokenTiles == 2 ? x[b][kTokenTiles - 1] : make_uint4(0u, 0u, 0u, 0u);
+        const uint32_t rows_of_x[4] = {word_of(x[b][0], 2 * step), word_of(second, 2 * step),
+                                       word_of(x[b][0], 2 * step + 1), word_of(second, 2 * step + 1)};
 #pragma unroll
-          for (int i = 0; i < 4; ++i) a_large[i] = a[i] & half_masks(large << (7 - (4 * step + i)));
-#pragma unroll
-          for (int tile = 0; tile < kTokenTiles; ++tile)
-            mma_bf16(acc[step % kChains][tile][kPlanes - 1], a_large, operand[tile][2 * step],
-                     operand[tile][2 * step + 1]);
-        }
-        if (kNormalized) {
-          // A = x [16 tokens, k]: rows group and group + 8.
-          const uint4 second = kTokenTiles == 2 ? x[b][kTokenTiles - 1] : make_uint4(0u, 0u, 0u, 0u);
-          const uint32_t rows_of_x[4] = {word_of(x[b][0], 2 * step), word_of(second, 2 * step),
-                                         word_of(x[b][0], 2 * step + 1), word_of(second, 2 * step + 1)};
-#pragma unroll
-          for (int tile = 0; tile < kTokenTiles; ++tile)
-            mma_bf16(gram[tile], rows_of_x, operand[tile][2 * step], operand[tile][2 * step + 1]);
-        }
+        for (int tile = 0; tile < kTokenTiles; ++tile)
+          mma_bf16(gram[tile], rows_of_x, operand[tile][2 * step], operand[tile][2 * step + 1]);
       }
     }
-  }
-  // C fragment: acc[0..1] = neuron group, tokens quad*2 + {0, 1}; acc[2..3] = neuron group + 8.
+  });
 #pragma unroll
-  for (int tile = 0; tile < kTokenTiles; ++tile) {
+  for (int plane = 0; plane < kPlanes; ++plane)
+    store_tile_sums<kTokenTiles>(partial + (part * kPlanes + plane) * kTileNeurons * kTokens, group, quad,
+                                 [&](int tile, int i) {
+                                   float sum = 0.0f;
 #pragma unroll
-    for (int plane = 0; plane < kPlanes; ++plane)
+                                   for (int chain = 0; chain < kChains; ++chain) sum += acc[chain][tile][plane][i];
+                                   return sum;
+                                 });
+  // x·xᵀ's diagonal: token 8·tile + group sits at row 8·tile + group, column group of token tile `tile`.
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int neuron = group + (i >= 2 ? 8 : 0), token = kTokenTile * tile + quad * 2 + (i & 1);
-        float sum = 0.0f;
-#pragma unroll
-        for (int chain = 0; chain < kChains; ++chain) sum += acc[chain][tile][plane][i];
-        partial[((part * kPlanes + plane) * kTileNeurons + neuron) * kTokens + token] = sum;
-      }
-    // x·xᵀ's diagonal: token 8·tile + group sits at row 8·tile + group, column group of token tile `tile`.
+  for (int tile = 0; tile < kTokenTiles; ++tile)
     if (kNormalized && quad == group >> 1)
       squares[part * kTokens + kTokenTile * tile + group] = group & 1 ? gram[tile][2 * tile + 1] : gram[tile][2 * tile];
-  }
 }
 
 // Copies this warp's slices of the rows of `neurons` (bit n: neuron first_neuron + n) of `matrix` into
@@ -847,37 +866,26 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) streamed_gates_kern
   float acc[kChains][kTokenTiles][4] = {};
   const unsigned char* row_low = shared + group * row_stride + quad * 16;  // rows g and g + 8
   const unsigned char* row_high = row_low + 8 * row_stride;
-  for (int w0 = first_word; w0 < end_word; w0 += kBatch) {
-    if (w0 != first_word) load_x_words(p, w0, end_word, group, quad, x);
+  for_each_word(p, first_word, end_word, group, quad, x, [&](int b, int w) {
+    const uint4 low = *reinterpret_cast<const uint4*>(row_low + w * kPiecesPerWord * 16);
+    const uint4 high = *reinterpret_cast<const uint4*>(row_high + w * kPiecesPerWord * 16);
 #pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      const int w = w0 + b;
-      if (w >= end_word) break;
-      const uint4 low = *reinterpret_cast<const uint4*>(row_low + w * kPiecesPerWord * 16);
-      const uint4 high = *reinterpret_cast<const uint4*>(row_high + w * kPiecesPerWord * 16);
+    for (int step = 0; step < 2; ++step) {
+      const uint32_t a[4] = {word_of(low, 2 * step), word_of(high, 2 * step), word_of(low, 2 * step + 1),
+                             word_of(high, 2 * step + 1)};
 #pragma unroll
-      for (int step = 0; step < 2; ++step) {
-        const uint32_t a[4] = {word_of(low, 2 * step), word_of(high, 2 * step), word_of(low, 2 * step + 1),
-                               word_of(high, 2 * step + 1)};
-#pragma unroll
-        for (int tile = 0; tile < kTokenTiles; ++tile)
-          mma_bf16(acc[step % kChains][tile], a, word_of(x[b][tile], 2 * step), word_of(x[b][tile], 2 * step + 1));
-      }
+      for (int tile = 0; tile < kTokenTiles; ++tile)
+        mma_bf16(acc[step % kChains][tile], a, word_of(x[b][tile], 2 * step), word_of(x[b][tile], 2 * step + 1));
     }
-  }
+  });
   __syncthreads();  // the rows are read: their space takes the partial gates [part][neuron][token]
   float* partial = reinterpret_cast<float*>(shared);
-  // C fragment: acc[0..1] = neuron group, tokens quad*2 + {0, 1}; acc[2..3] = neuron group + 8.
+  store_tile_sums<kTokenTiles>(partial + warp * kTileNeurons * kTokens, group, quad, [&](int tile, int i) {
+    float sum = 0.0f;
 #pragma unroll
-  for (int tile = 0; tile < kTokenTiles; ++tile)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int neuron = group + (i >= 2 ? 8 : 0), token = kTokenTile * tile + quad * 2 + (i & 1);
-      float sum = 0.0f;
-#pragma unroll
-      for (int chain = 0; chain < kChains; ++chain) sum += acc[chain][tile][i];
-      partial[(warp * kTileNeurons + neuron) * kTokens + token] = sum;
-    }
+    for (int chain = 0; chain < kChains; ++chain) sum += acc[chain][tile][i];
+    return sum;
+  });
   __syncthreads();
   if (zeroes_y && threadIdx.x == 0) {  // every thread's zeroing is behind the barrier above
     __threadfence();
