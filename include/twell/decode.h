@@ -116,15 +116,18 @@ struct AllGatesRule {
 // M = 16 (3.5 against 4.5 ms on the standard workload), the predictor lost at 90% coverage and won at
 // 62% (docs/perf-notes.md, "CPU: every gate as a blocked product").
 inline constexpr AllGatesRule kCpuAllGates{kDecodeMaxRows + 1, 0.75};
-// CUDA (the gates by a GEMV or GEMM, then up and down for the active pairs): faster than every
-// predictor from M = 4 on (10.8 against 11.3-15.8 us at M = 4 on the H200's standard workload), and
-// at M <= 2 where the coverage reaches 50% (sign rule: 8.9 against 11.9 us at 62%, M = 1); the
-// predictor is faster at M = 2 and 26% (9.8 against 10.6 us). docs/perf-notes.md, "Every gate first".
-inline constexpr AllGatesRule kCudaAllGates{4, 0.5};
+// CUDA: every gate from M = 1 on. With the streamed kernel (AllGatesKernel::automatic) every gate is
+// faster than every predictor at M = 1 and 4 (H100: 6.9 against 9.1-10.3 us at M = 1, 7.9 against
+// 10.9 at M = 4) and level at M = 16 (14.0 by the product); docs/perf-notes.md, "Every gate in one
+// streamed kernel". Before it, the product won from M = 4 on ("Every gate first").
+inline constexpr AllGatesRule kCudaAllGates{1, 0.5};
 bool gates_all_neurons(const PredictorConfig& predictor, int64_t rows, const AllGatesRule& rule);
 
 // CUDA, every gate: how the gates are computed (the CPU has one way, a blocked product).
 enum class AllGatesKernel {
+  automatic,  // streamed up to 8 tokens (one token tile), product above: H100, 2026-12-07, graph us a
+              // call, streamed against product: 6.9 / 15.9 at M = 1, 7.9 / 10.9 at M = 4, 15.5 / 14.0 at
+              // M = 16 (docs/perf-notes.md, "Every gate in one streamed kernel")
   product,   // decode_gemv (M = 1) or cuBLASLt writes the gates [M, H]; a second kernel does the active pairs
   streamed,  // one kernel: each block copies its 16 neurons' gate rows into shared memory (from before the
              // previous kernel ends), computes their gates for every token on the tensor cores and goes
@@ -140,7 +143,7 @@ struct DecodeOptions {
   // stream (no zeroing, no separate residual add).
   bool accumulate = false;
   GateSelection gates = GateSelection::automatic;
-  AllGatesKernel all_gates_kernel = AllGatesKernel::product;
+  AllGatesKernel all_gates_kernel = AllGatesKernel::automatic;
 };
 
 // Whether a call computes every gate: gates = all_neurons, or automatic where gates_all_neurons.

@@ -1096,7 +1096,9 @@ void DecodeLayer::run(const bf16* x, int64_t rows, const PredictorConfig& predic
 
   if (computes_all_gates(options, predictor, rows, kCudaAllGates)) {
     const int token_tiles = rows > kTokenTile ? 2 : 1;
-    if (options.all_gates_kernel == AllGatesKernel::streamed && s.streamed_fits[token_tiles - 1]) {
+    const bool streamed = options.all_gates_kernel == AllGatesKernel::streamed ||
+                          (options.all_gates_kernel == AllGatesKernel::automatic && token_tiles == 1);
+    if (streamed && s.streamed_fits[token_tiles - 1]) {
       auto kernel = token_tiles == 1 ? (w.gated ? streamed_gates_kernel<1, true> : streamed_gates_kernel<1, false>)
                                      : (w.gated ? streamed_gates_kernel<2, true> : streamed_gates_kernel<2, false>);
       launch_programmatic(kernel, dim3(s.tiles), dim3(kThreads),
