@@ -126,7 +126,7 @@ bool gates_all_neurons(const PredictorConfig& predictor, int64_t rows, const All
 // CUDA, every gate: how the gates are computed (the CPU has one way, a blocked product).
 enum class AllGatesKernel {
   automatic,  // streamed up to 8 tokens (one token tile), product above: H100, 2026-12-07, graph us a
-              // call, streamed against product: 6.9 / 15.9 at M = 1, 7.9 / 10.9 at M = 4, 15.5 / 14.0 at
+              // call, streamed against product: 6.9 / 10.3 at M = 1, 7.9 / 10.9 at M = 4, 15.5 / 14.0 at
               // M = 16 (docs/perf-notes.md, "Every gate in one streamed kernel")
   product,   // decode_gemv (M = 1) or cuBLASLt writes the gates [M, H]; a second kernel does the active pairs
   streamed,  // one kernel: each block copies its 16 neurons' gate rows into shared memory (from before the
