@@ -173,6 +173,23 @@ __device__ __forceinline__ unsigned long long zeroed_count(const DecodeParams& p
   return p.accumulate ? ~0ull : load_acquire(&p.sync->zeroed);
 }
 
+// The zeroing of y by the call's first block (a ticket: it is surely running), which the other blocks
+// wait for before their first atomic add. All of that block's threads zero ...
+__device__ __forceinline__ void zero_y(const DecodeParams& p) {
+  float4* y = reinterpret_cast<float4*>(p.y);
+  for (int i = threadIdx.x; i < p.rows * p.cols / 4; i += kThreads) y[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+}
+// ... then, after a barrier, one of them publishes that call `call`'s y is zeroed ...
+__device__ __forceinline__ void publish_zeroed_y(const DecodeParams& p, unsigned long long call) {
+  __threadfence();
+  store_release(&p.sync->zeroed, call + 1);
+}
+// ... and a waiting thread spins from its earlier read `zeroed` (zeroed_count) until it is.
+__device__ __forceinline__ void wait_for_zeroed_y(const DecodeParams& p, unsigned long long call,
+                                                  unsigned long long& zeroed) {
+  while (zeroed <= call) zeroed = load_acquire(&p.sync->zeroed);
+}
+
 // bf16 pair ±1 from the bits at positions 15 and 31 of `shifted` (set: −1).
 __device__ __forceinline__ uint32_t sign_pair(uint32_t shifted) { return (shifted & 0x80008000u) | 0x3f803f80u; }
 
@@ -524,16 +541,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) decode_ffn_kernel(D
   // Every block has its ticket, so the next call's blocks (a programmatic launch) may start taking theirs.
   allow_dependent_grids();
 
-  if (zeroes_y) {  // the first block of the call; its release below follows the next barrier
-    float4* y = reinterpret_cast<float4*>(p.y);
-    for (int i = threadIdx.x; i < p.rows * p.cols / 4; i += kThreads) y[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  }
+  if (zeroes_y) zero_y(p);  // its release below follows the next barrier
   score_part<kKind, kTokenTiles>(p, planes, first_word, end_word, warp, lane, x, partial_scores, squares);
   __syncthreads();
-  if (zeroes_y && threadIdx.x == kThreads - 1) {
-    __threadfence();
-    store_release(&p.sync->zeroed, call + 1);
-  }
+  if (zeroes_y && threadIdx.x == kThreads - 1) publish_zeroed_y(p, call);
 
   // Step 2: each thread decides its (token, neuron).
   const int own_neuron = threadIdx.x % kTileNeurons, own_token = threadIdx.x / kTileNeurons;
@@ -609,8 +620,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) decode_ffn_kernel(D
         }
       }
     }
-    if (threadIdx.x == 0)
-      while (zeroed <= call) zeroed = load_acquire(&p.sync->zeroed);
+    if (threadIdx.x == 0) wait_for_zeroed_y(p, call, zeroed);
     __syncthreads();
     add_down_rows<kTokens>(p, slots, 2 * gated_count, gated, active, coefficient, first_word, lane);
   } else if (gated != 0u) {
@@ -662,8 +672,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) decode_ffn_kernel(D
           coefficient[n][pair_token] = gate_value[n][pair_token] * u;
         }
       }
-      if (threadIdx.x == 0)
-        while (zeroed <= call) zeroed = load_acquire(&p.sync->zeroed);
+      if (threadIdx.x == 0) wait_for_zeroed_y(p, call, zeroed);
       __syncthreads();
       add_down_rows<kTokens>(p, slots, gated_ffn ? count : 0, batch, active, coefficient, first_word, lane);
       if (rest != 0u) __syncthreads();  // the next round rewrites partial_dots and coefficient
@@ -856,10 +865,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) streamed_gates_kern
   wait_all_copies();
   __syncthreads();
   allow_dependent_grids();  // every block has its ticket
-  if (zeroes_y) {
-    float4* y = reinterpret_cast<float4*>(p.y);
-    for (int i = threadIdx.x; i < p.rows * p.cols / 4; i += kThreads) y[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  }
+  if (zeroes_y) zero_y(p);
 
   // At one token tile, two chains of dependent mma (one per mma step), as score_part.
   constexpr int kChains = kTokenTiles == 1 ? 2 : 1;
@@ -887,10 +893,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) streamed_gates_kern
     return sum;
   });
   __syncthreads();
-  if (zeroes_y && threadIdx.x == 0) {  // every thread's zeroing is behind the barrier above
-    __threadfence();
-    store_release(&p.sync->zeroed, call + 1);
-  }
+  if (zeroes_y && threadIdx.x == 0) publish_zeroed_y(p, call);  // every thread's zeroing is behind the barrier above
   const int own_neuron = threadIdx.x % kTileNeurons, own_token = threadIdx.x / kTileNeurons;
   if (own_token < p.rows && first_neuron + own_neuron < p.hidden) {
     float g = 0.0f;
@@ -898,9 +901,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) streamed_gates_kern
     for (int part = 0; part < kParts; ++part) g += partial[(part * kTileNeurons + own_neuron) * kTokens + own_token];
     list_pair(list, own_token, own_neuron, g);
   }
-  if (threadIdx.x == 0 && !p.accumulate) {
-    unsigned long long zeroed = load_acquire(&p.sync->zeroed);
-    while (zeroed <= call) zeroed = load_acquire(&p.sync->zeroed);
+  if (threadIdx.x == 0) {
+    unsigned long long zeroed = zeroed_count(p);
+    wait_for_zeroed_y(p, call, zeroed);
   }
   __syncthreads();
   add_listed_pairs<kGated>(p, first_neuron, list);
@@ -929,12 +932,16 @@ void allow_shared(size_t shared) {
                                         static_cast<int>(shared)));
 }
 
+auto streamed_gates_kernel_for(int token_tiles, bool gated) {
+  return token_tiles == 1 ? (gated ? streamed_gates_kernel<1, true> : streamed_gates_kernel<1, false>)
+                          : (gated ? streamed_gates_kernel<2, true> : streamed_gates_kernel<2, false>);
+}
+
 // Whether the streamed-gates kernel of `token_tiles` can run `tiles` blocks all resident at once on
 // this GPU (it then sets the kernel's shared-memory limit); the blocks per SM come from the occupancy
 // calculator, never from a table.
-template <bool kGated>
-bool prepare_streamed_gates(int token_tiles, int32_t words, int tiles) {
-  auto kernel = token_tiles == 1 ? streamed_gates_kernel<1, kGated> : streamed_gates_kernel<2, kGated>;
+bool prepare_streamed_gates(int token_tiles, bool gated, int32_t words, int tiles) {
+  auto kernel = streamed_gates_kernel_for(token_tiles, gated);
   const int shared = streamed_shared_bytes(words, token_tiles * kTokenTile);
   if (shared > device_facts().max_smem_per_block_optin) return false;
   TWELL_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared));
@@ -1049,8 +1056,7 @@ DecodeLayer::DecodeLayer(const DeviceFfnWeights& weights, const SignBits& signs)
   allow_shared<PredictorKind::two_bit_gate>(shared);
   s.gates.resize(static_cast<size_t>(kDecodeMaxRows) * h);
   for (int token_tiles : {1, 2})
-    s.streamed_fits[token_tiles - 1] = weights.gated ? prepare_streamed_gates<true>(token_tiles, s.words, s.tiles)
-                                                     : prepare_streamed_gates<false>(token_tiles, s.words, s.tiles);
+    s.streamed_fits[token_tiles - 1] = prepare_streamed_gates(token_tiles, weights.gated, s.words, s.tiles);
   TWELL_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
@@ -1099,9 +1105,7 @@ void DecodeLayer::run(const bf16* x, int64_t rows, const PredictorConfig& predic
     const bool streamed = options.all_gates_kernel == AllGatesKernel::streamed ||
                           (options.all_gates_kernel == AllGatesKernel::automatic && token_tiles == 1);
     if (streamed && s.streamed_fits[token_tiles - 1]) {
-      auto kernel = token_tiles == 1 ? (w.gated ? streamed_gates_kernel<1, true> : streamed_gates_kernel<1, false>)
-                                     : (w.gated ? streamed_gates_kernel<2, true> : streamed_gates_kernel<2, false>);
-      launch_programmatic(kernel, dim3(s.tiles), dim3(kThreads),
+      launch_programmatic(streamed_gates_kernel_for(token_tiles, w.gated), dim3(s.tiles), dim3(kThreads),
                           static_cast<size_t>(streamed_shared_bytes(s.words, token_tiles * kTokenTile)), stream, p);
       return;
     }
