@@ -36,6 +36,8 @@ namespace twell::cuda {
 bool available();
 // The GPU's name, as cudaGetDeviceProperties reports it.
 const char* device_name();
+// The GPU's L2 cache size in bytes.
+size_t l2_bytes();
 
 // ---- device memory ------------------------------------------------------------------------------
 void* device_allocate(size_t bytes);  // throws twell::Error naming the size when the GPU is full

@@ -9,6 +9,7 @@ namespace twell::cuda {
 bool available() { return gpu_available(); }
 
 const char* device_name() { return device_facts().name; }
+size_t l2_bytes() { return static_cast<size_t>(device_facts().l2_bytes); }
 
 void* device_allocate(size_t bytes) {
   if (bytes == 0) return nullptr;

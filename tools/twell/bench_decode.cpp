@@ -8,6 +8,7 @@
 // kGraphCalls calls replayed (the launch gaps of a decode step that runs in a graph).
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -49,9 +50,11 @@ struct DecodeBenchOptions {
   std::string json_path;
   int exact_columns = kMaxExactColumns;  // at most, chosen on the calibration tokens
   // CUDA: copies of the layer's weights (and of its decode planes) on the device, taken in turn call
-  // by call. One replays a single layer, whose predictor data stays in the L2 between calls; copies
-  // larger than the L2 together make every call find its weights in DRAM, as a model's layers do.
-  int weight_copies = 1;
+  // by call. One replays a single layer, whose working set stays in the L2 between calls when it fits
+  // (a predictor's planes and rows; the streamed kernel's 23 MB of gate rows at the standard shape);
+  // copies larger than the L2 together make every call find its weights in DRAM, as a model's layers
+  // do. 0: enough copies for four times the L2 (weight_copies_for_dram).
+  int weight_copies = 0;
   // The predictor impls' GateSelection (automatic: all gates where the backend's AllGatesRule says so); the
   // all-gates impl is timed beside them either way.
   std::string gates = "automatic";
@@ -243,9 +246,17 @@ std::function<double(int)> graph_timer(std::function<void(int, cudaStream_t)> ru
   };
 }
 
+// --weight-copies 0: copies of the weights that together are at least four times the L2, so that no
+// call finds what the previous calls left there.
+int weight_copies_for_dram(int requested, const FfnWeights& weights) {
+  if (requested > 0) return requested;
+  const double copy_bytes = (weights.gated ? 3.0 : 2.0) * weights.d_hidden * weights.d_model * sizeof(bf16);
+  return std::clamp(static_cast<int>(std::ceil(4.0 * static_cast<double>(cuda::l2_bytes()) / copy_bytes)), 1, 64);
+}
+
 struct CudaState {
   const Workload* work;
-  std::vector<cuda::DeviceFfnWeights> weights;  // options.weight_copies copies, taken in turn
+  std::vector<cuda::DeviceFfnWeights> weights;  // weight_copies_for_dram copies, taken in turn
   int next_copy = 0;
   int take_copy() {
     const int copy = next_copy;
@@ -266,7 +277,8 @@ std::vector<Impl> cuda_impls(CudaState& s, const std::vector<std::vector<float>>
   const int64_t rows = s.work->spec.rows;
   const size_t count = static_cast<size_t>(rows) * options.d_model;
   s.weights.clear();
-  for (int copy = 0; copy < options.weight_copies; ++copy) s.weights.push_back(cuda::upload_weights(s.work->weights));
+  const int copies = weight_copies_for_dram(options.weight_copies, s.work->weights);
+  for (int copy = 0; copy < copies; ++copy) s.weights.push_back(cuda::upload_weights(s.work->weights));
   s.inputs.clear();
   for (const auto& x : host_inputs) s.inputs.push_back(cuda::upload_bf16(x.data(), x.size()));
   s.y_bf16 = cuda::make_device_array<bf16>(count);
@@ -461,7 +473,9 @@ void run_decode_bench(const DecodeBenchOptions& options) {
                       {"floor_bytes", floor_bytes}, {"copy_bandwidth_gb_per_s", copy_bandwidth * 1e-9},
                       {"floor_fraction_of_copy_bandwidth", floor_bytes / copy_bandwidth / (timing.median_ms * 1e-3)},
                       {"input_sets", options.input_sets}};
-      if (on_cuda) record.extra["weight_copies"] = options.weight_copies;
+#if defined(TWELL_HAVE_CUDA)
+      if (on_cuda) record.extra["weight_copies"] = static_cast<int>(cuda_state->weights.size());
+#endif
       if (graph_ms > 0) {
         record.extra["graph_ms_per_call"] = graph_ms;
         if (dense_graph_ms > 0) record.extra["graph_speedup_vs_dense"] = dense_graph_ms / graph_ms;
@@ -548,10 +562,11 @@ void add_bench_decode(CLI::App& bench) {
       ->capture_default_str()
       ->check(CLI::Range(0, kMaxExactColumns));
   command->add_option("--weight-copies", options->weight_copies,
-                      "CUDA: copies of the weights taken in turn call by call (enough to exceed the L2: every call "
-                      "finds its weights in DRAM, as a model's layers do)")
+                      "CUDA: copies of the weights taken in turn call by call; 0 = enough for four times the L2, so "
+                      "that every call finds its weights in DRAM, as a model's layers do (1: one layer replayed, "
+                      "its working set left in the L2)")
       ->capture_default_str()
-      ->check(CLI::Range(1, 64));
+      ->check(CLI::Range(0, 64));
   command->add_option("--gates", options->gates,
                       "the predictor impls' gates: automatic (every gate where the backend's AllGatesRule finds it "
                       "faster: by M, or by how much of H the predicted neurons of the M tokens cover) or predicted "
