@@ -820,10 +820,28 @@ int32_t streamed_shared_bytes(int32_t words, int tokens) {
   return std::max(kTileNeurons * streamed_row_stride(words), kParts * kTileNeurons * tokens * 4);
 }
 
+// Copies (cp.async, not committed) the pieces of the tile's gate rows that lie in words [lo, hi) of
+// every warp's slice (words part·words_per_part + [lo, hi)) into the block's row buffer; zeros past
+// H and D.
+__device__ __forceinline__ void copy_gate_rows(const DecodeParams& p, int first_neuron, int lo, int hi,
+                                               unsigned char* rows, int32_t row_stride) {
+  const int pieces = p.cols / kChunk, span = (hi - lo) * kPiecesPerWord;
+  for (int i = threadIdx.x; i < kTileNeurons * kParts * span; i += kThreads) {
+    const int n = i / (kParts * span), part = i / span % kParts, within = i % span;
+    const int word = part * p.words_per_part + lo + within / kPiecesPerWord;
+    const int piece = word * kPiecesPerWord + within % kPiecesPerWord;
+    if (word >= p.words) continue;
+    const bool inside = first_neuron + n < p.hidden && piece < pieces;
+    const bf16* source = p.projection + (inside ? static_cast<int64_t>(first_neuron + n) * p.cols + piece * kChunk : 0);
+    copy_16_async(rows + n * row_stride + piece * 16, source, inside);
+  }
+}
+
 // Every gate in one kernel (AllGatesKernel::streamed), one block per tile of 16 neurons, every block
 // of the call resident at once:
-//   - the tile's gate rows are copied into shared memory (cp.async, all in flight) before the
-//     programmatic wait, so the projection streams while the stream's previous kernel ends;
+//   - the tile's gate rows are copied into shared memory (cp.async, all in flight, in two groups: the
+//     words of each warp's first batch of x, then the rest) before the programmatic wait, so the
+//     projection streams while the stream's previous kernel ends;
 //   - each warp computes the gates of its words (D split as in the fused kernel) for every token on
 //     the tensor cores: mma.m16n8k16 with A = the 16 rows (row g and g + 8 of a lane's quad pieces, the
 //     k order of the fused kernel's sign planes, so x loads as there) and B = x; partial sums meet in
@@ -842,17 +860,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) streamed_gates_kern
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane >> 2, quad = lane & 3;
   const int first_neuron = blockIdx.x * kTileNeurons;
   const int first_word = warp * p.words_per_part, end_word = min(p.words, first_word + p.words_per_part);
-  const int pieces = p.cols / kChunk, row_pieces = p.words * kPiecesPerWord;
   const int32_t row_stride = streamed_row_stride(p.words);
 
   unsigned long long ticket = 0;
   if (threadIdx.x == 0) ticket = atomicAdd(&p.sync->started, 1ull);
-  for (int i = threadIdx.x; i < kTileNeurons * row_pieces; i += kThreads) {
-    const int n = i / row_pieces, piece = i % row_pieces;
-    const bool inside = first_neuron + n < p.hidden && piece < pieces;
-    const bf16* source = p.projection + (inside ? static_cast<int64_t>(first_neuron + n) * p.cols + piece * kChunk : 0);
-    copy_16_async(shared + n * row_stride + piece * 16, source, inside);
-  }
+  // Two groups of copies: the words every warp takes in its first batch of x, then the rest, so that
+  // a warp with a second batch (two token tiles) asks for its x while the rest of the rows arrive.
+  const int first_batch = min(kBatch, p.words_per_part);
+  copy_gate_rows(p, first_neuron, 0, first_batch, shared, row_stride);
+  commit_copies();
+  copy_gate_rows(p, first_neuron, first_batch, p.words_per_part, shared, row_stride);
   commit_copies();
   if (threadIdx.x == 0) {
     list.count = 0u;
@@ -862,7 +879,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) streamed_gates_kern
   wait_for_previous_grid();  // x and y belong to the stream's order from here on
   uint4 x[kBatch][kTokenTiles];
   load_x_words(p, first_word, end_word, group, quad, x);
-  wait_all_copies();
+  wait_copies<1>();
   __syncthreads();
   allow_dependent_grids();  // every block has its ticket
   if (zeroes_y) zero_y(p);
@@ -872,18 +889,31 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) streamed_gates_kern
   float acc[kChains][kTokenTiles][4] = {};
   const unsigned char* row_low = shared + group * row_stride + quad * 16;  // rows g and g + 8
   const unsigned char* row_high = row_low + 8 * row_stride;
-  for_each_word(p, first_word, end_word, group, quad, x, [&](int b, int w) {
-    const uint4 low = *reinterpret_cast<const uint4*>(row_low + w * kPiecesPerWord * 16);
-    const uint4 high = *reinterpret_cast<const uint4*>(row_high + w * kPiecesPerWord * 16);
-#pragma unroll
-    for (int step = 0; step < 2; ++step) {
-      const uint32_t a[4] = {word_of(low, 2 * step), word_of(high, 2 * step), word_of(low, 2 * step + 1),
-                             word_of(high, 2 * step + 1)};
-#pragma unroll
-      for (int tile = 0; tile < kTokenTiles; ++tile)
-        mma_bf16(acc[step % kChains][tile], a, word_of(x[b][tile], 2 * step), word_of(x[b][tile], 2 * step + 1));
+  // The same number of batches in every warp (barriers inside); words past end_word are skipped.
+  for (int w0 = first_word; w0 < first_word + p.words_per_part; w0 += kBatch) {
+    if (w0 != first_word) {
+      load_x_words(p, w0, end_word, group, quad, x);
+      if (w0 == first_word + kBatch) {
+        wait_copies<0>();
+        __syncthreads();
+      }
     }
-  });
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int w = w0 + b;
+      if (w >= end_word) break;
+      const uint4 low = *reinterpret_cast<const uint4*>(row_low + w * kPiecesPerWord * 16);
+      const uint4 high = *reinterpret_cast<const uint4*>(row_high + w * kPiecesPerWord * 16);
+#pragma unroll
+      for (int step = 0; step < 2; ++step) {
+        const uint32_t a[4] = {word_of(low, 2 * step), word_of(high, 2 * step), word_of(low, 2 * step + 1),
+                               word_of(high, 2 * step + 1)};
+#pragma unroll
+        for (int tile = 0; tile < kTokenTiles; ++tile)
+          mma_bf16(acc[step % kChains][tile], a, word_of(x[b][tile], 2 * step), word_of(x[b][tile], 2 * step + 1));
+      }
+    }
+  }
   __syncthreads();  // the rows are read: their space takes the partial gates [part][neuron][token]
   float* partial = reinterpret_cast<float*>(shared);
   store_tile_sums<kTokenTiles>(partial + warp * kTileNeurons * kTokens, group, quad, [&](int tile, int i) {
