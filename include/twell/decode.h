@@ -116,18 +116,20 @@ struct AllGatesRule {
 // M = 16 (3.5 against 4.5 ms on the standard workload), the predictor lost at 90% coverage and won at
 // 62% (docs/perf-notes.md, "CPU: every gate as a blocked product").
 inline constexpr AllGatesRule kCpuAllGates{kDecodeMaxRows + 1, 0.75};
-// CUDA: every gate from M = 1 on. With the streamed kernel (AllGatesKernel::automatic) every gate is
-// faster than every predictor at M = 1 and 4 (H100: 6.9 against 9.1-10.3 us at M = 1, 7.9 against
-// 10.9 at M = 4) and level at M = 16 (14.0 by the product); docs/perf-notes.md, "Every gate in one
-// streamed kernel". Before it, the product won from M = 4 on ("Every gate first").
-inline constexpr AllGatesRule kCudaAllGates{1, 0.5};
+// CUDA: every gate (the streamed kernel) from M = 3 on. With the weights in DRAM, as a model's layers
+// find them (H100, graph us a call): at M = 1 the one-bit predictor 9.2 against 10.6, at M = 4 the
+// streamed kernel 11.3 against 12.4 (two-bit-norm) and 12.9 (one-bit), at M = 16 18.3 against 23.3;
+// M = 2 and 3 were not timed, 3 is where the two lines cross (docs/perf-notes.md, "Every gate in one
+// streamed kernel, with the weights in DRAM"). A predictor keeping half of H reads as much as every
+// gate costs.
+inline constexpr AllGatesRule kCudaAllGates{3, 0.5};
 bool gates_all_neurons(const PredictorConfig& predictor, int64_t rows, const AllGatesRule& rule);
 
 // CUDA, every gate: how the gates are computed (the CPU has one way, a blocked product).
 enum class AllGatesKernel {
-  automatic,  // streamed up to 8 tokens (one token tile), product above: H100, 2026-12-07, graph us a
-              // call, streamed against product: 6.9 / 10.3 at M = 1, 7.9 / 10.9 at M = 4, 15.5 / 14.0 at
-              // M = 16 (docs/perf-notes.md, "Every gate in one streamed kernel")
+  automatic,  // streamed wherever it runs, else the product: H100, weights in DRAM, graph us a call,
+              // streamed against product: 10.6 / 14.6 at M = 1, 11.3 / 15.3 at M = 4, 18.2 / 19.5 at
+              // M = 16 (docs/perf-notes.md, "Every gate in one streamed kernel, with the weights in DRAM")
   product,   // decode_gemv (M = 1) or cuBLASLt writes the gates [M, H]; a second kernel does the active pairs
   streamed,  // one kernel: each block copies its 16 neurons' gate rows into shared memory (from before the
              // previous kernel ends), computes their gates for every token on the tensor cores and goes
