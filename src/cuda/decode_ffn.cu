@@ -39,8 +39,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <string>
 #include <vector>
 
 #include "cuda_utils.h"
@@ -98,10 +96,6 @@ struct Counters {
 struct CallSync {
   unsigned long long started;
   unsigned long long zeroed;
-  // The streamed kernel with its down products by columns (its calls numbered apart): tickets, the
-  // grid barrier's arrivals, and the pair lists' lengths of even and odd calls.
-  unsigned long long gathered_started, gathered_arrived;
-  unsigned int pair_count[2];
 };
 
 // Shared-memory layout of one launch, in bytes of the dynamic area. Steps 1-2: the tile's planes,
@@ -136,7 +130,6 @@ struct DecodeParams {
   bool count_missed;
   bool accumulate;  // y += (nobody zeroes y, nobody waits)
   const float* gates;  // [M, H]: every exact gate, for given_gates_kernel
-  uint2* pairs;        // [M·H]: (token << 28 | neuron, bits of g·u), the streamed kernel's down by columns
 };
 
 // plane [H, words] -> [tiles, words, 8 groups, 2]: for lane (group g, quad q) of step 1's mma, word
@@ -167,11 +160,6 @@ __device__ __forceinline__ void red_add_v4(float* address, float a, float b, flo
                : "memory");
 }
 
-__device__ __forceinline__ unsigned int load_acquire_u32(const unsigned int* address) {
-  unsigned int value;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(value) : "l"(address) : "memory");
-  return value;
-}
 __device__ __forceinline__ unsigned long long load_acquire(const unsigned long long* address) {
   unsigned long long value;
   asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(value) : "l"(address) : "memory");
@@ -727,11 +715,8 @@ __device__ __forceinline__ void list_pair(PairList& list, int token, int neuron,
   }
 }
 
-// kToList: instead of adding the down rows, each pair's (token, neuron, g·u) goes to p.pairs from
-// `first_slot` on, for the down product by columns (streamed_gates_kernel).
-template <bool kGated, bool kToList = false>
-__device__ __forceinline__ void add_listed_pairs(const DecodeParams& p, int first_neuron, PairList& list,
-                                                 unsigned int first_slot = 0) {
+template <bool kGated>
+__device__ __forceinline__ void add_listed_pairs(const DecodeParams& p, int first_neuron, PairList& list) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int count = static_cast<int>(list.count);
   const int pieces = p.cols / kChunk;
@@ -755,8 +740,7 @@ __device__ __forceinline__ void add_listed_pairs(const DecodeParams& p, int firs
     uint4 first_down[kPairBatch];
 #pragma unroll
     for (int b = 0; b < kPairBatch; ++b)
-      first_down[b] = !kToList && b < batch && threadIdx.x < pieces ? __ldg(down_row[b] + threadIdx.x)
-                                                                    : make_uint4(0u, 0u, 0u, 0u);
+      first_down[b] = b < batch && threadIdx.x < pieces ? __ldg(down_row[b] + threadIdx.x) : make_uint4(0u, 0u, 0u, 0u);
     if (kGated) {
       float dots[kPairBatch] = {};
       for (int piece = threadIdx.x; piece < pieces; piece += kThreads) {
@@ -785,18 +769,6 @@ __device__ __forceinline__ void add_listed_pairs(const DecodeParams& p, int firs
         coefficient[b] *= u;  // non-gated: relu(x·up[j]) is the gate itself
       }
       __syncthreads();  // partial_dots is the next batch's
-    }
-    if constexpr (kToList) {
-      if (threadIdx.x < batch) {
-        float c = 0.0f;
-#pragma unroll
-        for (int b = 0; b < kPairBatch; ++b)
-          if (b == static_cast<int>(threadIdx.x)) c = coefficient[b];
-        const uint32_t pair = list.token_neuron[first + threadIdx.x];
-        p.pairs[first_slot + first + threadIdx.x] =
-            make_uint2((pair >> 16) << 28 | (static_cast<uint32_t>(first_neuron) + (pair & 0xffffu)), __float_as_uint(c));
-      }
-      continue;
     }
     for (int piece = threadIdx.x; piece < pieces; piece += kThreads) {
 #pragma unroll
@@ -866,78 +838,6 @@ __device__ __forceinline__ void copy_gate_rows(const DecodeParams& p, int first_
   }
 }
 
-// The streamed kernel's pairs with the down products by columns instead of atomics: every block lists
-// its pairs' (token, neuron, g·u) in p.pairs, the grid meets at a barrier (all its blocks are
-// resident), then block b sums y[:, 8q .. 8q + 7] = Σ g·u·down[j, 8q ..] over the whole list for its
-// pieces q = b, b + grid, ...: each y element is written once, by one block, with no atomics and no
-// zeroing. The 16-byte piece of a down row each pair needs is one load.
-template <int kTokens, bool kGated>
-__device__ __forceinline__ void down_by_columns(const DecodeParams& p, int first_neuron, PairList& list,
-                                                unsigned long long call) {
-  constexpr int kLoads = 4;  // pairs a thread loads at once
-  __shared__ unsigned int first_slot;
-  __shared__ float sums[kTokens][kChunk];
-  unsigned int* count = &p.sync->pair_count[call % 2];
-  __syncthreads();  // list.count is final
-  if (threadIdx.x == 0) {
-    first_slot = list.count != 0u ? atomicAdd(count, list.count) : 0u;
-    // The other parity's list is the next call's: the previous call, which used it, is over.
-    if (blockIdx.x == 0) p.sync->pair_count[(call + 1) % 2] = 0u;
-  }
-  __syncthreads();
-  add_listed_pairs<kGated, true>(p, first_neuron, list, first_slot);
-  __syncthreads();
-  if (threadIdx.x == 0) {  // the grid barrier: every block's pairs are listed
-    __threadfence();
-    const unsigned long long arrived = atomicAdd(&p.sync->gathered_arrived, 1ull);
-    const unsigned long long target = (arrived / gridDim.x + 1) * gridDim.x;
-    while (load_acquire(&p.sync->gathered_arrived) < target) {
-    }
-  }
-  __syncthreads();
-  const unsigned int pairs = load_acquire_u32(count);
-  const int pieces = p.cols / kChunk;
-  for (int q = blockIdx.x; q < pieces; q += gridDim.x) {
-    for (int i = threadIdx.x; i < kTokens * kChunk; i += kThreads) (&sums[0][0])[i] = 0.0f;
-    __syncthreads();
-    for (unsigned int first = threadIdx.x; first < pairs; first += kLoads * kThreads) {
-      uint2 pair[kLoads];
-      uint4 down[kLoads];
-#pragma unroll
-      for (int k = 0; k < kLoads; ++k) {
-        const unsigned int at = first + k * kThreads;
-        pair[k] = at < pairs ? __ldcg(p.pairs + at) : make_uint2(0u, 0u);
-      }
-#pragma unroll
-      for (int k = 0; k < kLoads; ++k)
-        down[k] = first + k * kThreads < pairs
-                      ? __ldg(reinterpret_cast<const uint4*>(p.down + static_cast<int64_t>(pair[k].x & 0x0fffffffu) * p.cols) + q)
-                      : make_uint4(0u, 0u, 0u, 0u);
-#pragma unroll
-      for (int k = 0; k < kLoads; ++k) {
-        if (first + k * kThreads >= pairs) break;
-        float* out = sums[pair[k].x >> 28];
-        const float c = __uint_as_float(pair[k].y);
-        const uint4 d = down[k];
-        atomicAdd(out + 0, c * bf16_low(d.x));
-        atomicAdd(out + 1, c * bf16_high(d.x));
-        atomicAdd(out + 2, c * bf16_low(d.y));
-        atomicAdd(out + 3, c * bf16_high(d.y));
-        atomicAdd(out + 4, c * bf16_low(d.z));
-        atomicAdd(out + 5, c * bf16_high(d.z));
-        atomicAdd(out + 6, c * bf16_low(d.w));
-        atomicAdd(out + 7, c * bf16_high(d.w));
-      }
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < p.rows * kChunk; i += kThreads) {
-      float* y = p.y + static_cast<int64_t>(i / kChunk) * p.cols + q * kChunk + i % kChunk;
-      *y = p.accumulate ? *y + sums[i / kChunk][i % kChunk] : sums[i / kChunk][i % kChunk];
-    }
-    __syncthreads();  // sums is the next piece's
-  }
-}
-
 // Every gate in one kernel (AllGatesKernel::streamed), one block per tile of 16 neurons, every block
 // of the call resident at once:
 //   - the tile's gate rows are copied into shared memory (cp.async, all in flight, in two groups: the
@@ -950,7 +850,7 @@ __device__ __forceinline__ void down_by_columns(const DecodeParams& p, int first
 //   - the tile's positive gates become its pair list, worked through as given_gates_kernel does.
 // y is zeroed by the call's first block (a ticket) while the rows arrive; the others wait for it
 // only before their first atomic, by when the whole projection has streamed.
-template <int kTokenTiles, bool kGated, bool kDownByColumns>
+template <int kTokenTiles, bool kGated>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) streamed_gates_kernel(DecodeParams p) {
   constexpr int kTokens = kTokenTiles * kTokenTile;
   constexpr int kBatch = word_batch(PredictorKind::one_bit_gate, kTokenTiles);
@@ -964,7 +864,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) streamed_gates_kern
   const int32_t row_stride = streamed_row_stride(p.words);
 
   unsigned long long ticket = 0;
-  if (threadIdx.x == 0) ticket = atomicAdd(kDownByColumns ? &p.sync->gathered_started : &p.sync->started, 1ull);
+  if (threadIdx.x == 0) ticket = atomicAdd(&p.sync->started, 1ull);
   // Two groups of copies: the words every warp takes in its first batch of x, then the rest, so that
   // a warp with a second batch (two token tiles) asks for its x while the rest of the rows arrive.
   const int first_batch = min(kBatch, p.words_per_part);
@@ -975,7 +875,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) streamed_gates_kern
   if (threadIdx.x == 0) {
     list.count = 0u;
     call = ticket / gridDim.x;
-    zeroes_y = !kDownByColumns && !p.accumulate && ticket % gridDim.x == 0;
+    zeroes_y = !p.accumulate && ticket % gridDim.x == 0;
   }
   wait_for_previous_grid();  // x and y belong to the stream's order from here on
   uint4 x[kBatch][kTokenTiles];
@@ -1032,16 +932,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) streamed_gates_kern
     for (int part = 0; part < kParts; ++part) g += partial[(part * kTileNeurons + own_neuron) * kTokens + own_token];
     list_pair(list, own_token, own_neuron, g);
   }
-  if constexpr (kDownByColumns) {
-    down_by_columns<kTokens, kGated>(p, first_neuron, list, call);
-  } else {
-    if (threadIdx.x == 0) {
-      unsigned long long zeroed = zeroed_count(p);
-      wait_for_zeroed_y(p, call, zeroed);
-    }
-    __syncthreads();
-    add_listed_pairs<kGated>(p, first_neuron, list);
+  if (threadIdx.x == 0) {
+    unsigned long long zeroed = zeroed_count(p);
+    wait_for_zeroed_y(p, call, zeroed);
   }
+  __syncthreads();
+  add_listed_pairs<kGated>(p, first_neuron, list);
 }
 
 // A programmatic launch (PDL): the kernel may start while the stream's previous kernel finishes, and
@@ -1067,22 +963,16 @@ void allow_shared(size_t shared) {
                                         static_cast<int>(shared)));
 }
 
-template <bool kDownByColumns>
 auto streamed_gates_kernel_for(int token_tiles, bool gated) {
-  return token_tiles == 1
-             ? (gated ? streamed_gates_kernel<1, true, kDownByColumns> : streamed_gates_kernel<1, false, kDownByColumns>)
-             : (gated ? streamed_gates_kernel<2, true, kDownByColumns> : streamed_gates_kernel<2, false, kDownByColumns>);
-}
-auto streamed_gates_kernel_for(int token_tiles, bool gated, bool down_by_columns) {
-  return down_by_columns ? streamed_gates_kernel_for<true>(token_tiles, gated)
-                         : streamed_gates_kernel_for<false>(token_tiles, gated);
+  return token_tiles == 1 ? (gated ? streamed_gates_kernel<1, true> : streamed_gates_kernel<1, false>)
+                          : (gated ? streamed_gates_kernel<2, true> : streamed_gates_kernel<2, false>);
 }
 
 // Whether the streamed-gates kernel of `token_tiles` can run `tiles` blocks all resident at once on
 // this GPU (it then sets the kernel's shared-memory limit); the blocks per SM come from the occupancy
 // calculator, never from a table.
-bool prepare_streamed_gates(int token_tiles, bool gated, bool down_by_columns, int32_t words, int tiles) {
-  auto kernel = streamed_gates_kernel_for(token_tiles, gated, down_by_columns);
+bool prepare_streamed_gates(int token_tiles, bool gated, int32_t words, int tiles) {
+  auto kernel = streamed_gates_kernel_for(token_tiles, gated);
   const int shared = streamed_shared_bytes(words, token_tiles * kTokenTile);
   if (shared > device_facts().max_smem_per_block_optin) return false;
   TWELL_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared));
@@ -1141,8 +1031,6 @@ struct DecodeLayer::Impl {
   // A small workspace: this GEMM's M is at most 16, and a model holds one per layer.
   mutable RowMajorGemm gemm{kGatesGemmWorkspace};
   DeviceBuffer<float> gates;  // [kDecodeMaxRows, H]
-  DeviceBuffer<uint2> pairs;  // [kDecodeMaxRows · H]: the streamed kernel's pair list (down by columns)
-  bool down_by_columns = false;
   bool streamed_fits[2] = {};  // by token tiles − 1: every block of a streamed-gates call resident at once
 };
 
@@ -1198,12 +1086,8 @@ DecodeLayer::DecodeLayer(const DeviceFfnWeights& weights, const SignBits& signs)
   allow_shared<PredictorKind::normalized_one_bit_gate>(shared);
   allow_shared<PredictorKind::two_bit_gate>(shared);
   s.gates.resize(static_cast<size_t>(kDecodeMaxRows) * h);
-  const char* by_columns = std::getenv("TWELL_DOWN_BY_COLUMNS");  // experiment
-  s.down_by_columns = by_columns != nullptr && std::string(by_columns) == "1";
-  if (s.down_by_columns) s.pairs.resize(static_cast<size_t>(kDecodeMaxRows) * h);
   for (int token_tiles : {1, 2})
-    s.streamed_fits[token_tiles - 1] =
-        prepare_streamed_gates(token_tiles, weights.gated, s.down_by_columns, s.words, s.tiles);
+    s.streamed_fits[token_tiles - 1] = prepare_streamed_gates(token_tiles, weights.gated, s.words, s.tiles);
   TWELL_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
@@ -1250,8 +1134,7 @@ void DecodeLayer::run(const bf16* x, int64_t rows, const PredictorConfig& predic
   if (computes_all_gates(options, predictor, rows, kCudaAllGates)) {
     const int token_tiles = rows > kTokenTile ? 2 : 1;
     if (options.all_gates_kernel != AllGatesKernel::product && s.streamed_fits[token_tiles - 1]) {
-      p.pairs = s.pairs.data();
-      launch_programmatic(streamed_gates_kernel_for(token_tiles, w.gated, s.down_by_columns), dim3(s.tiles), dim3(kThreads),
+      launch_programmatic(streamed_gates_kernel_for(token_tiles, w.gated), dim3(s.tiles), dim3(kThreads),
                           static_cast<size_t>(streamed_shared_bytes(s.words, token_tiles * kTokenTile)), stream, p);
       return;
     }
