@@ -345,9 +345,9 @@ TEST_F(CudaFfn, DispatchingFfnIsRightOnEveryPath) {
 }
 
 // One layer run many times, M, the predictor and the gate selection changing from call to call (so
-// the fused, the given-gates and the streamed-gates kernels take turns on the layer's call numbering), into fresh
-// NaN-poisoned outputs, every neuron predicted: each call's y is that call's exact FFN (a kernel
-// zeroes y itself, once per call, before any block adds to it).
+// the fused, the given-gates and the streamed-gates kernels take turns on the layer's call
+// numbering), into fresh NaN-poisoned outputs, every neuron predicted: each call's y is that call's
+// exact FFN (a kernel zeroes y itself, once per call, before any block adds to it).
 TEST_F(CudaFfn, DecodeLayerCallsInARowEachMatchTheReference) {
   const WorkloadSpec spec{.rows = kDecodeMaxRows, .d_model = 264, .d_hidden = 700, .density = 0.05, .seed = 21};
   const Workload work = make_workload(spec);
@@ -360,10 +360,10 @@ TEST_F(CudaFfn, DecodeLayerCallsInARowEachMatchTheReference) {
                                PredictorKind::normalized_one_bit_gate, PredictorKind::two_bit_gate}) {
       const GateSelection gates = call % 3 != 2 ? GateSelection::all_neurons : GateSelection::predicted;
       const AllGatesKernel kernel = call % 3 == 0 ? AllGatesKernel::product : AllGatesKernel::streamed;
-      SCOPED_TRACE(testing::Message() << "call " << call << ", M = " << rows << ", " << to_string(kind)
-                                      << (gates == GateSelection::all_neurons
-                                              ? (kernel == AllGatesKernel::product ? ", every gate" : ", every gate streamed")
-                                              : ""));
+      const char* path = gates == GateSelection::predicted       ? ""
+                         : kernel == AllGatesKernel::product ? ", every gate"
+                                                             : ", every gate streamed";
+      SCOPED_TRACE(testing::Message() << "call " << call << ", M = " << rows << ", " << to_string(kind) << path);
       const float* x = work.x.data() + (call++ % (kDecodeMaxRows + 1 - rows)) * spec.d_model;
       const size_t count = static_cast<size_t>(rows) * spec.d_model;
       const std::vector<double> expected = ref::ffn_dense(x, rows, work.weights);

@@ -238,12 +238,19 @@ __device__ __forceinline__ void load_x_words(const DecodeParams& p, int w0, int 
 }
 
 // body(b, w) for each of this warp's words w in [first_word, end_word), with w's piece of x in x[b]:
-// x is loaded a batch of words at a time, the first batch being in x on entry.
-template <int kBatch, int kTokenTiles, typename Body>
-__device__ __forceinline__ void for_each_word(const DecodeParams& p, int first_word, int end_word, int group, int quad,
-                                              uint4 (&x)[kBatch][kTokenTiles], Body body) {
-  for (int w0 = first_word; w0 < end_word; w0 += kBatch) {
-    if (w0 != first_word) load_x_words(p, w0, end_word, group, quad, x);
+// x is loaded a batch of words at a time, the first batch being in x on entry, over the words before
+// batches_end (end_word, or first_word + p.words_per_part for the same number of batches in every
+// warp); after_load(batch) runs once each later batch's x is asked for (it may hold a block barrier
+// where every warp takes the same batches).
+template <int kBatch, int kTokenTiles, typename AfterLoad, typename Body>
+__device__ __forceinline__ void for_each_word(const DecodeParams& p, int first_word, int end_word, int batches_end,
+                                              int group, int quad, uint4 (&x)[kBatch][kTokenTiles],
+                                              AfterLoad after_load, Body body) {
+  for (int w0 = first_word; w0 < batches_end; w0 += kBatch) {
+    if (w0 != first_word) {
+      load_x_words(p, w0, end_word, group, quad, x);
+      after_load((w0 - first_word) / kBatch);
+    }
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       if (w0 + b >= end_word) break;
@@ -284,7 +291,7 @@ __device__ __forceinline__ void score_part(const DecodeParams& p, const uint32_t
   constexpr int kChains = kTokenTiles == 1 ? 2 : 1;
   float acc[kChains][kTokenTiles][kPlanes][4] = {};
   float gram[kTokenTiles][4] = {};
-  for_each_word(p, first_word, end_word, group, quad, x, [&](int b, int w) {
+  for_each_word(p, first_word, end_word, end_word, group, quad, x, [](int) {}, [&](int b, int w) {
     const uint32_t bits = lane_bits(planes, w, group, quad);
     const uint32_t large = kPlanes == 2 ? lane_bits(planes + p.words * 16, w, group, quad) : 0u;
     uint32_t operand[kTokenTiles][4];
@@ -805,7 +812,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) given_gates_kernel(
   __syncthreads();
   const int own_neuron = threadIdx.x % kTileNeurons, own_token = threadIdx.x / kTileNeurons;
   if (own_token < p.rows && first_neuron + own_neuron < p.hidden)
-    list_pair(list, own_token, own_neuron, p.gates[static_cast<int64_t>(own_token) * p.hidden + first_neuron + own_neuron]);
+    list_pair(list, own_token, own_neuron,
+              p.gates[static_cast<int64_t>(own_token) * p.hidden + first_neuron + own_neuron]);
   __syncthreads();
   add_listed_pairs<kGated>(p, first_neuron, list);
 }
@@ -890,31 +898,25 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) streamed_gates_kern
   float acc[kChains][kTokenTiles][4] = {};
   const unsigned char* row_low = shared + group * row_stride + quad * 16;  // rows g and g + 8
   const unsigned char* row_high = row_low + 8 * row_stride;
-  // The same number of batches in every warp (barriers inside); words past end_word are skipped.
-  for (int w0 = first_word; w0 < first_word + p.words_per_part; w0 += kBatch) {
-    if (w0 != first_word) {
-      load_x_words(p, w0, end_word, group, quad, x);
-      if (w0 == first_word + kBatch) {
-        wait_copies<0>();
-        __syncthreads();
-      }
+  const auto rest_of_rows = [](int batch) {  // the second batch's x is on its way: wait for the other rows
+    if (batch == 1) {
+      wait_copies<0>();
+      __syncthreads();
     }
+  };
+  for_each_word(p, first_word, end_word, first_word + p.words_per_part, group, quad, x, rest_of_rows,
+                [&](int b, int w) {
+    const uint4 low = *reinterpret_cast<const uint4*>(row_low + w * kPiecesPerWord * 16);
+    const uint4 high = *reinterpret_cast<const uint4*>(row_high + w * kPiecesPerWord * 16);
 #pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      const int w = w0 + b;
-      if (w >= end_word) break;
-      const uint4 low = *reinterpret_cast<const uint4*>(row_low + w * kPiecesPerWord * 16);
-      const uint4 high = *reinterpret_cast<const uint4*>(row_high + w * kPiecesPerWord * 16);
+    for (int step = 0; step < 2; ++step) {
+      const uint32_t a[4] = {word_of(low, 2 * step), word_of(high, 2 * step), word_of(low, 2 * step + 1),
+                             word_of(high, 2 * step + 1)};
 #pragma unroll
-      for (int step = 0; step < 2; ++step) {
-        const uint32_t a[4] = {word_of(low, 2 * step), word_of(high, 2 * step), word_of(low, 2 * step + 1),
-                               word_of(high, 2 * step + 1)};
-#pragma unroll
-        for (int tile = 0; tile < kTokenTiles; ++tile)
-          mma_bf16(acc[step % kChains][tile], a, word_of(x[b][tile], 2 * step), word_of(x[b][tile], 2 * step + 1));
-      }
+      for (int tile = 0; tile < kTokenTiles; ++tile)
+        mma_bf16(acc[step % kChains][tile], a, word_of(x[b][tile], 2 * step), word_of(x[b][tile], 2 * step + 1));
     }
-  }
+  });
   __syncthreads();  // the rows are read: their space takes the partial gates [part][neuron][token]
   float* partial = reinterpret_cast<float*>(shared);
   store_tile_sums<kTokenTiles>(partial + warp * kTileNeurons * kTokens, group, quad, [&](int tile, int i) {
