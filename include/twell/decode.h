@@ -127,14 +127,14 @@ bool gates_all_neurons(const PredictorConfig& predictor, int64_t rows, const All
 
 // CUDA, every gate: how the gates are computed (the CPU has one way, a blocked product).
 enum class AllGatesKernel {
-  automatic,  // streamed wherever it runs, else the product: H100, weights in DRAM, graph us a call,
-              // streamed against product: 10.6 / 14.6 at M = 1, 11.3 / 15.3 at M = 4, 18.2 / 19.5 at
-              // M = 16 (docs/perf-notes.md, "Every gate in one streamed kernel, with the weights in DRAM")
   product,   // decode_gemv (M = 1) or cuBLASLt writes the gates [M, H]; a second kernel does the active pairs
   streamed,  // one kernel: each block copies its 16 neurons' gate rows into shared memory (from before the
              // previous kernel ends), computes their gates for every token on the tensor cores and goes
              // straight on to its active pairs. Only where every block of the call is resident at once
-             // (the rows must fit: D = 2048 does, three blocks an SM); elsewhere the product runs.
+             // (the rows must fit: D = 2048 does, three blocks an SM); elsewhere the product runs. The
+             // default: H100, weights in DRAM, graph us a call, streamed against product: 10.6 / 14.6 at
+             // M = 1, 11.3 / 15.3 at M = 4, 18.2 / 19.5 at M = 16 (docs/perf-notes.md, "Every gate in
+             // one streamed kernel, with the weights in DRAM").
 };
 
 struct DecodeOptions {
@@ -145,7 +145,7 @@ struct DecodeOptions {
   // stream (no zeroing, no separate residual add).
   bool accumulate = false;
   GateSelection gates = GateSelection::automatic;
-  AllGatesKernel all_gates_kernel = AllGatesKernel::automatic;
+  AllGatesKernel all_gates_kernel = AllGatesKernel::streamed;
 };
 
 // Whether a call computes every gate: gates = all_neurons, or automatic where gates_all_neurons.

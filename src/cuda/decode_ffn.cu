@@ -31,8 +31,8 @@
 // buffer, streaming all of the projection near the copy rate, and given_gates_kernel does steps 3-4
 // from them (y zeroed by a memset first). The fused kernel with every pair predicted was slower at
 // every M (H200, M = 16: 23.5 us against 13.2; its 16-token dot products re-read x from the L2 for
-// every round of rows). AllGatesKernel::streamed (what automatic takes wherever its blocks fit) does it
-// in one kernel instead (streamed_gates_kernel): each block's 16 gate rows all in flight into shared
+// every round of rows). AllGatesKernel::streamed (the default, wherever its blocks fit) does it in
+// one kernel instead (streamed_gates_kernel): each block's 16 gate rows all in flight into shared
 // memory from before the programmatic wait, the gates on the tensor cores, then the pairs as
 // given_gates_kernel does them.
 #include <cuda_bf16.h>
@@ -1135,7 +1135,7 @@ void DecodeLayer::run(const bf16* x, int64_t rows, const PredictorConfig& predic
 
   if (computes_all_gates(options, predictor, rows, kCudaAllGates)) {
     const int token_tiles = rows > kTokenTile ? 2 : 1;
-    if (options.all_gates_kernel != AllGatesKernel::product && s.streamed_fits[token_tiles - 1]) {
+    if (options.all_gates_kernel == AllGatesKernel::streamed && s.streamed_fits[token_tiles - 1]) {
       launch_programmatic(streamed_gates_kernel_for(token_tiles, w.gated), dim3(s.tiles), dim3(kThreads),
                           static_cast<size_t>(streamed_shared_bytes(s.words, token_tiles * kTokenTile)), stream, p);
       return;
